@@ -1,0 +1,51 @@
+"""The one implementation switch: the pure-JAX reference path or the Pallas kernels.
+
+    with k3jax.use_implementation("pallas"):
+        logits = forward(...)
+
+"reference" (the default) is float32-accurate pure JAX and runs everywhere. "pallas" routes the ops
+that have kernels (chunked KDA, MX matmuls) to ``pallas_kernels``; on a CPU those kernels run in
+Pallas interpret mode, which is how CI checks them. The switch is read at trace time, so a function
+jitted under one setting keeps it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Iterator, Literal
+
+import jax
+
+Implementation = Literal["reference", "pallas"]
+_CURRENT: contextvars.ContextVar[str] = contextvars.ContextVar("k3jax_implementation", default="reference")
+
+
+def get_implementation() -> Implementation:
+    return _CURRENT.get()  # type: ignore[return-value]
+
+
+def set_implementation(name: Implementation) -> None:
+    """Set the implementation for this context (prefer ``use_implementation`` in code)."""
+    if name not in ("reference", "pallas"):
+        raise ValueError(f"implementation: {name!r}; expected 'reference' or 'pallas'")
+    _CURRENT.set(name)
+
+
+@contextlib.contextmanager
+def use_implementation(name: Implementation) -> Iterator[None]:
+    if name not in ("reference", "pallas"):
+        raise ValueError(f"implementation: {name!r}; expected 'reference' or 'pallas'")
+    token = _CURRENT.set(name)
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
+
+
+def pallas_interpret() -> bool:
+    """Pallas kernels run in interpret mode when no GPU or TPU is present."""
+    return jax.default_backend() == "cpu"
+
+
+__all__ = ["Implementation", "get_implementation", "set_implementation", "use_implementation", "pallas_interpret"]
