@@ -1,0 +1,93 @@
+"""Router, expert activations and the two MoE dispatches (spec section 5).
+
+Routed expert weights use the PyTorch layout: w1 (gate) and w3 (up) [E, F, R], w2 (down) [E, R, F],
+where R is the width the experts read (the 3584 latent for K3, the model width for Kimi Linear).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from k3jax.typing import Array
+
+_HI = jax.lax.Precision.HIGHEST
+Activation = Callable[[Array, Array], Array]
+_GROUPED = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]
+)
+
+
+def route(
+    x: Array, gate_weight: Array, correction_bias: Array, k: int, renormalize: bool, scaling_factor: float
+) -> tuple[Array, Array]:
+    """Sigmoid router with noaux_tc selection: the bias picks experts but does not weight them.
+
+    x [T, D], gate_weight [E, D], correction_bias [E]. Returns (weights [T, k] float32, experts [T, k] int32).
+    """
+    scores = jax.nn.sigmoid(
+        jnp.einsum("td,ed->te", x.astype(jnp.float32), gate_weight.astype(jnp.float32), precision=_HI)
+    )
+    _, experts = jax.lax.top_k(scores + correction_bias.astype(jnp.float32), k)
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
+    if renormalize:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return weights * scaling_factor, experts.astype(jnp.int32)
+
+
+def situ(a: Array, b: Array, beta: float = 4.0, linear_beta: float = 25.0) -> Array:
+    """SiTU(a, b) = [beta tanh(a/beta) sigmoid(a)] * [linear_beta tanh(b/linear_beta)], float32 inside."""
+    a32, b32 = a.astype(jnp.float32), b.astype(jnp.float32)
+    out = beta * jnp.tanh(a32 / beta) * jax.nn.sigmoid(a32) * (linear_beta * jnp.tanh(b32 / linear_beta))
+    return out.astype(a.dtype)
+
+
+def swiglu(a: Array, b: Array) -> Array:
+    """SwiGLU(a, b) = silu(a) * b."""
+    return jax.nn.silu(a) * b
+
+
+def grouped_matmul(x: Array, w: Array, group_sizes: Array) -> Array:
+    """Rows of x sorted by group times their group's weight: x [M, K], w [G, N, K] -> [M, N]."""
+    return jax.lax.ragged_dot_general(x, w.astype(x.dtype), group_sizes, _GROUPED, precision=_HI)
+
+
+def moe_dense(
+    x: Array, w1: Array, w3: Array, w2: Array, weights: Array, experts: Array, act: Activation
+) -> Array:
+    """Reference dispatch: every expert on every token, combined by a dense [T, E] weight matrix.
+
+    x [T, R]; weights, experts [T, k]. Returns [T, R] in x.dtype.
+    """
+    T, E = x.shape[0], w1.shape[0]
+    combine = jnp.zeros((T, E), jnp.float32).at[jnp.arange(T)[:, None], experts].add(weights)
+    h = act(jnp.einsum("tr,efr->tef", x, w1, precision=_HI), jnp.einsum("tr,efr->tef", x, w3, precision=_HI))
+    y = jnp.einsum("tef,erf->ter", h, w2, precision=_HI)
+    return jnp.einsum("te,ter->tr", combine, y.astype(jnp.float32), precision=_HI).astype(x.dtype)
+
+
+def moe_sorted(
+    x: Array, w1: Array, w3: Array, w2: Array, weights: Array, experts: Array, act: Activation,
+    matmul: Callable[[Array, Array, Array], Array] = grouped_matmul,
+) -> Array:
+    """Sorted dispatch: token copies sorted by expert, grouped matmuls, weighted scatter back.
+
+    Same contract as ``moe_dense``; ``matmul(x_sorted, w, group_sizes)`` does the grouped products
+    (``jax.lax.ragged_dot`` by default; an MX kernel on the Pallas path). Experts that receive no
+    tokens are empty groups.
+    """
+    T, k = experts.shape
+    E = w1.shape[0]
+    flat = experts.reshape(-1)  # [T*k]
+    order = jnp.argsort(flat, stable=True)
+    token = order // k
+    group_sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+    xs = x[token]  # [T*k, R]
+    h = act(matmul(xs, w1, group_sizes), matmul(xs, w3, group_sizes))
+    y = matmul(h, w2, group_sizes).astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+    return jnp.zeros((T, x.shape[1]), jnp.float32).at[token].add(y).astype(x.dtype)
+
+
+__all__ = ["route", "situ", "swiglu", "grouped_matmul", "moe_dense", "moe_sorted"]

@@ -1,0 +1,92 @@
+"""The KDA layer (Kimi Delta Attention, spec section 3) as a Flax NNX module."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.config import KDAConfig
+from k3jax.functional import kda as F
+from k3jax.functional.conv import causal_conv
+from k3jax.functional.norms import gated_rms_norm
+from k3jax.implementation import get_implementation
+from k3jax.layers.basic import Linear, normal
+from k3jax.typing import Array
+
+
+class KDAState(NamedTuple):
+    """What a sequence carries between calls: conv inputs [B, W-1, H*K] x3 and the state [B, H, K, V]."""
+
+    conv_q: Array
+    conv_k: Array
+    conv_v: Array
+    recurrent: Array
+
+
+def _kda_core(q, k, v, g, beta, state):
+    """Chunked form for prompts, the one-step recurrence for T = 1; Pallas when the switch says so."""
+    if q.shape[1] == 1:
+        return F.recurrent_kda(q, k, v, g, beta, state)
+    if get_implementation() == "pallas":
+        from pallas_kernels.kda import ops
+
+        return ops.chunk_kda(q, k, v, g, beta, state)
+    return F.chunk_kda(q, k, v, g, beta, state)
+
+
+class KDA(nnx.Module):
+    """x [B, T, D] -> [B, T, D]. Parameter names follow the released ``self_attn.*`` tensors."""
+
+    def __init__(self, dim: int, cfg: KDAConfig, eps: float, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+        H, K, W = cfg.num_heads, cfg.head_dim, cfg.conv_size
+        width = H * K
+        self.num_heads, self.head_dim, self.eps = H, K, eps
+        self.lower_bound = cfg.gate_lower_bound
+        lin = lambda i, o: Linear(i, o, rngs=rngs, param_dtype=param_dtype)
+        self.q_proj, self.k_proj, self.v_proj = lin(dim, width), lin(dim, width), lin(dim, width)
+        conv = lambda: nnx.Param(normal(rngs, (width, 1, W), W**-0.5))
+        self.q_conv1d, self.k_conv1d, self.v_conv1d = conv(), conv(), conv()
+        self.f_a_proj, self.f_b_proj = lin(dim, K), lin(K, width)
+        self.b_proj = lin(dim, H)
+        self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (H,), jnp.float32, 1.0, 16.0)))
+        self.dt_bias = nnx.Param(normal(rngs, (width,), 1.0))
+        if cfg.full_rank_gate:
+            self.g_proj = lin(dim, width)
+        else:
+            self.g_a_proj, self.g_b_proj = lin(dim, K), lin(K, width)
+        self.o_norm = nnx.Param(jnp.ones((K,), param_dtype))
+        self.o_proj = lin(width, dim)
+
+    def initial_state(self, batch: int) -> KDAState:
+        width = self.num_heads * self.head_dim
+        conv = jnp.zeros((batch, self.q_conv1d.shape[-1] - 1, width), jnp.float32)
+        rec = jnp.zeros((batch, self.num_heads, self.head_dim, self.head_dim), jnp.float32)
+        return KDAState(conv, conv, conv, rec)
+
+    def __call__(self, x: Array, state: KDAState | None = None) -> tuple[Array, KDAState]:
+        B, T, _ = x.shape
+        H, K = self.num_heads, self.head_dim
+        state = self.initial_state(B) if state is None else state
+        heads = lambda a: a.reshape(B, T, H, K)
+        q, cq = causal_conv(self.q_proj(x), self.q_conv1d[...][:, 0], state.conv_q)
+        k, ck = causal_conv(self.k_proj(x), self.k_conv1d[...][:, 0], state.conv_k)
+        v, cv = causal_conv(self.v_proj(x), self.v_conv1d[...][:, 0], state.conv_v)
+        q, k = F.l2_normalize(heads(jax.nn.silu(q))), F.l2_normalize(heads(jax.nn.silu(k)))
+        v = heads(jax.nn.silu(v))
+        z = heads(self.f_b_proj(self.f_a_proj(x)))
+        dt_bias = self.dt_bias[...].reshape(H, K)
+        if self.lower_bound is None:
+            g = F.softplus_gate(z, self.A_log[...], dt_bias)
+        else:
+            g = F.bounded_gate(z, self.A_log[...], dt_bias, self.lower_bound)
+        beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
+        o, rec = _kda_core(q, k, v, g, beta, state.recurrent)
+        gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
+        o = gated_rms_norm(o, heads(gate), self.o_norm[...], self.eps).astype(x.dtype)
+        return self.o_proj(o.reshape(B, T, H * K)), KDAState(cq, ck, cv, rec)
+
+
+__all__ = ["KDA", "KDAState"]

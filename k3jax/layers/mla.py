@@ -1,0 +1,66 @@
+"""Gated multi-head latent attention (spec section 4) as a Flax NNX module: full causal sequence."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.config import MLAConfig
+from k3jax.functional.mla import causal_attention, mla_keys_values
+from k3jax.layers.basic import Linear, RMSNorm
+from k3jax.typing import Array
+
+LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm, as in the public implementations
+
+
+class MLA(nnx.Module):
+    """x [B, T, D] -> [B, T, D]. Parameter names follow the released ``self_attn.*`` tensors."""
+
+    def __init__(self, dim: int, cfg: MLAConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+        H = cfg.num_heads
+        self.cfg = cfg
+        lin = lambda i, o: Linear(i, o, rngs=rngs, param_dtype=param_dtype)
+        if cfg.q_lora_rank:
+            self.q_a_proj = lin(dim, cfg.q_lora_rank)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS, param_dtype=param_dtype)
+            self.q_b_proj = lin(cfg.q_lora_rank, H * cfg.qk_head_dim)
+        else:
+            self.q_proj = lin(dim, H * cfg.qk_head_dim)
+        self.kv_a_proj_with_mqa = lin(dim, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LATENT_NORM_EPS, param_dtype=param_dtype)
+        self.kv_b_proj = lin(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim))
+        if cfg.output_gate:
+            self.g_proj = lin(dim, H * cfg.v_head_dim)
+        self.o_proj = lin(H * cfg.v_head_dim, dim)
+
+    def queries(self, x: Array) -> Array:
+        """[B, T, D] -> [B, T, H, nope + rope]."""
+        B, T, _ = x.shape
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.cfg.q_lora_rank else self.q_proj(x)
+        return q.reshape(B, T, self.cfg.num_heads, self.cfg.qk_head_dim)
+
+    def latent(self, x: Array) -> tuple[Array, Array]:
+        """[B, T, D] -> (c_kv after kv_a_layernorm [B, T, R], k_pe [B, T, P]): what a decode cache holds."""
+        c = self.kv_a_proj_with_mqa(x)
+        c_kv, k_pe = c[..., : self.cfg.kv_lora_rank], c[..., self.cfg.kv_lora_rank :]
+        return self.kv_a_layernorm(c_kv), k_pe
+
+    def output(self, x: Array, o: Array) -> Array:
+        """Attention output o [B, T, H, V] -> output gate (K3) -> o_proj -> [B, T, D]."""
+        B, T = o.shape[:2]
+        o = o.reshape(B, T, -1).astype(x.dtype)
+        if self.cfg.output_gate:
+            o = o * jax.nn.sigmoid(self.g_proj(x).astype(jnp.float32)).astype(x.dtype)
+        return self.o_proj(o)
+
+    def __call__(self, x: Array) -> Array:
+        cfg = self.cfg
+        c_kv, k_pe = self.latent(x)
+        k, v = mla_keys_values(c_kv, k_pe, self.kv_b_proj.weight[...].astype(x.dtype), cfg.num_heads,
+                               cfg.qk_nope_head_dim)
+        o = causal_attention(self.queries(x), k, v, cfg.qk_head_dim**-0.5)
+        return self.output(x, o)
+
+
+__all__ = ["MLA", "LATENT_NORM_EPS"]

@@ -1,0 +1,37 @@
+"""Gated MLPs: the dense layer-0 MLP and the shared experts (SiTU for K3, SwiGLU for Kimi Linear)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.functional.moe import Activation, situ, swiglu
+from k3jax.layers.basic import Linear
+from k3jax.typing import Array
+
+
+def activation(name: str, situ_beta: float = 4.0, situ_linear_beta: float = 25.0) -> Activation:
+    """The gated activation act(gate, up) named by the config's ``hidden_act``."""
+    if name == "situ":
+        return partial(situ, beta=situ_beta, linear_beta=situ_linear_beta)
+    if name == "silu":
+        return swiglu
+    raise ValueError(f"hidden_act: unsupported activation {name!r}; expected 'situ' or 'silu'")
+
+
+class DenseMLP(nnx.Module):
+    """down_proj(act(gate_proj x, up_proj x)); weights gate/up [F, D], down [D, F]."""
+
+    def __init__(self, dim: int, width: int, act: Activation, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+        self.act = act
+        self.gate_proj = Linear(dim, width, rngs=rngs, param_dtype=param_dtype)
+        self.up_proj = Linear(dim, width, rngs=rngs, param_dtype=param_dtype)
+        self.down_proj = Linear(width, dim, rngs=rngs, param_dtype=param_dtype)
+
+    def __call__(self, x: Array) -> Array:
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+
+
+__all__ = ["DenseMLP", "activation"]

@@ -1,0 +1,177 @@
+"""The Kimi K3 / Kimi Linear decoder: layers from the layer-type pattern, Block AttnRes, the head.
+
+Each layer is its own module (the canonical, unscanned parameter layout). At run time, repeated
+groups of layers (K3: 12 layers = three (KDA, KDA, KDA, MLA) groups = one AttnRes block) have
+their parameters stacked and run under one ``lax.scan``, so a 93-layer model compiles a handful of
+layer bodies instead of 93.
+
+Block AttnRes state machine (K3, spec section 2), per layer L:
+    partial_in = x;  h = mix(blocks, partial_in)            # = partial_in while no block is stored
+    if L % block_size == 0: blocks.append(partial_in); partial = 0   else: partial = partial_in
+    partial += attn(input_layernorm(h));  h = mix(blocks, partial)
+    x = partial + ffn(post_attention_layernorm(h))
+then x = mix(blocks, partial) with the output query, model.norm and lm_head. Blocks live in a fixed
+buffer [N, B, T, D] with a count, N = ceil(layers / block_size).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.config import K3Config
+from k3jax.layers.attn_res import AttnRes
+from k3jax.layers.basic import Embed, Linear, RMSNorm
+from k3jax.layers.kda import KDA
+from k3jax.layers.mla import MLA
+from k3jax.layers.mlp import DenseMLP, activation
+from k3jax.layers.moe import MoE
+from k3jax.typing import Array
+
+
+class MixWeights(NamedTuple):
+    """Block AttnRes mixing weights (research output): per layer [L, 2 (attn, mlp), N+1, B, T] and
+    the final output mix [N+1, B, T]; index N+1-1 is the live partial sum; unused blocks weigh 0."""
+
+    layers: Array
+    output: Array
+
+
+class DecoderLayer(nnx.Module):
+    """One layer: attention (KDA or MLA) and feed-forward (dense MLP or MoE), each pre-normed."""
+
+    def __init__(self, cfg: K3Config, layer: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+        d, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(d, eps, param_dtype=param_dtype)
+        self.post_attention_layernorm = RMSNorm(d, eps, param_dtype=param_dtype)
+        if cfg.layer_types[layer] == "kda":
+            self.self_attn = KDA(d, cfg.kda, eps, rngs=rngs, param_dtype=param_dtype)
+        else:
+            self.self_attn = MLA(d, cfg.mla, rngs=rngs, param_dtype=param_dtype)
+        act = activation(cfg.hidden_act, cfg.situ_beta, cfg.situ_linear_beta)
+        if cfg.is_moe_layer(layer):
+            self.block_sparse_moe = MoE(d, cfg.moe, act, eps, rngs=rngs, param_dtype=param_dtype)
+        else:
+            self.mlp = DenseMLP(d, cfg.dense_intermediate_size, act, rngs=rngs, param_dtype=param_dtype)
+        if cfg.attn_res_block_size:
+            self.self_attention_res = AttnRes(d, eps, param_dtype=param_dtype)
+            self.mlp_res = AttnRes(d, eps, param_dtype=param_dtype)
+
+    def attention(self, h: Array) -> Array:
+        out = self.self_attn(self.input_layernorm(h))
+        return out[0] if isinstance(self.self_attn, KDA) else out
+
+    def ffn(self, h: Array) -> Array:
+        h = self.post_attention_layernorm(h)
+        return self.block_sparse_moe(h) if hasattr(self, "block_sparse_moe") else self.mlp(h)
+
+    def residual(self, x: Array) -> Array:
+        """Kimi Linear's plain residual."""
+        x = x + self.attention(x)
+        return x + self.ffn(x)
+
+    def attn_res(self, carry: tuple[Array, Array, Array], commit: bool):
+        """K3's Block AttnRes step. carry = (blocks [N, B, T, D], n_blocks, x); returns the new carry
+        and the two mixes' weights [2, N+1, B, T]."""
+        blocks, n, partial = carry
+        h, w_attn = self.self_attention_res(blocks, n, partial)
+        if commit:
+            blocks = jax.lax.dynamic_update_index_in_dim(blocks, partial, n, axis=0)
+            n, partial = n + 1, jnp.zeros_like(partial)
+        partial = partial + self.attention(h)
+        h, w_mlp = self.mlp_res(blocks, n, partial)
+        return (blocks, n, partial + self.ffn(h)), jnp.stack([w_attn, w_mlp])
+
+
+def layer_groups(cfg: K3Config) -> list[tuple[int, int, int]]:
+    """Split the stack into (first layer, layers per group, repeats): consecutive identical groups of
+    ``cfg.scan_period`` layers are one scanned run; the rest (layer 0's dense group, a short tail)
+    run once. K3: [(0, 12, 1), (12, 12, 6), (84, 9, 1)]."""
+    P, L = cfg.scan_period, cfg.num_layers
+
+    def signature(start: int) -> tuple:
+        end = min(start + P, L)
+        return tuple((cfg.layer_types[i], cfg.is_moe_layer(i)) for i in range(start, end))
+
+    runs = []
+    for sig, starts in itertools.groupby(range(0, L, P), key=signature):
+        starts = list(starts)
+        if len(sig) == P:
+            runs.append((starts[0], P, len(starts)))
+        else:
+            runs.extend((s, len(sig), 1) for s in starts)
+    return runs
+
+
+class K3Model(nnx.Module):
+    """tokens [B, T] int -> logits [B, T, V] float32 (and, on request, the AttnRes mixing weights)."""
+
+    def __init__(self, cfg: K3Config, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+        self.cfg = cfg
+        d = cfg.hidden_size
+        self.embed_tokens = Embed(cfg.vocab_size, d, rngs=rngs, param_dtype=param_dtype)
+        self.layers = nnx.List(
+            [DecoderLayer(cfg, i, rngs=rngs, param_dtype=param_dtype) for i in range(cfg.num_layers)]
+        )
+        if cfg.attn_res_block_size:
+            self.output_attn_res = AttnRes(d, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.norm = RMSNorm(d, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.lm_head = Linear(d, cfg.vocab_size, rngs=rngs, param_dtype=param_dtype)
+
+    def _run(self, start: int, size: int, repeats: int, carry, step):
+        """Apply layers [start, start + size * repeats) with ``step(layer, carry, position) -> (carry, y)``."""
+        if repeats == 1:
+            ys = []
+            for p in range(size):
+                carry, y = step(self.layers[start + p], carry, start + p)
+                ys.append(y)
+            return carry, jnp.stack(ys)
+        graphs, stacks = [], []
+        for p in range(size):
+            split = [nnx.split(self.layers[start + r * size + p]) for r in range(repeats)]
+            graphs.append(split[0][0])
+            stacks.append(jax.tree.map(lambda *a: jnp.stack(a), *[s for _, s in split]))
+
+        def body(carry, states):
+            ys = []
+            for p in range(size):
+                carry, y = step(nnx.merge(graphs[p], states[p]), carry, start + p)
+                ys.append(y)
+            return carry, jnp.stack(ys)
+
+        carry, ys = jax.lax.scan(body, carry, stacks)
+        return carry, ys.reshape(repeats * size, *ys.shape[2:])
+
+    def __call__(self, tokens: Array, return_mix_weights: bool = False):
+        cfg = self.cfg
+        x = self.embed_tokens(tokens)
+        block = cfg.attn_res_block_size
+        if block:
+            blocks = jnp.zeros((-(-cfg.num_layers // block), *x.shape), x.dtype)
+            carry = (blocks, jnp.asarray(0, jnp.int32), x)
+            step = lambda layer, c, i: layer.attn_res(c, commit=i % block == 0)
+        else:
+            carry = x
+            step = lambda layer, c, i: (layer.residual(c), jnp.zeros((), x.dtype))
+        weights = []
+        for run in layer_groups(cfg):
+            carry, ys = self._run(*run, carry, step)
+            weights.append(ys)
+        if block:
+            blocks, n, partial = carry
+            x, out_weights = self.output_attn_res(blocks, n, partial)
+        else:
+            x = carry
+        logits = self.lm_head(self.norm(x)).astype(jnp.float32)
+        if not return_mix_weights:
+            return logits
+        if not block:
+            raise ValueError("return_mix_weights: this model has no Block AttnRes (attn_res_block_size is unset)")
+        return logits, MixWeights(jnp.concatenate(weights), out_weights)
+
+
+__all__ = ["K3Model", "DecoderLayer", "MixWeights", "layer_groups"]
