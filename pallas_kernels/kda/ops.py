@@ -1,0 +1,127 @@
+"""Public entry points of the KDA kernels; same contracts as ``k3jax.functional.kda``.
+
+    chunk_kda(q, k, v, g, beta, initial_state=None, scale=None)          -> (o, final_state)
+    chunk_kda_fused(q, k, v, z, a_log, dt_bias, beta_logits, lower_bound, initial_state, scale)
+    step_kda(q, k, v, g, beta, state, scale=None)                        -> (o, state)
+
+q, k [B, T, H, K] (bf16 or float32), v [B, T, H, V], g [B, T, H, K] float32 log decay, beta [B, T, H]
+float32 after the sigmoid, state [B, H, K, V] float32; o is float32 [B, T, H, V]. K, V and the block
+sizes are powers of two; T is any length. Gradients (``jax.custom_vjp``) are the reference's
+autodiff: forward by the kernels, backward by ``jax.vjp`` of the pure-JAX chunked form.
+
+The kernels need the bounded gate: every g >= -10 (K3's gate has g > lower_bound = -5). Sixteen
+such steps stay inside float32's exponent range when factored around the sub-tile midpoint. Pass
+``safe_gate=False`` for unbounded gates (Kimi Linear's softplus gate): that runs the reference.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.kda import reference
+from pallas_kernels.kda.kernel import KDABlocks, decode_step, intra_chunk, state_walk
+
+DEFAULT_BLOCKS = KDABlocks()
+MIN_LOWER_BOUND = -10.0  # most negative per-step gate whose 16-token span fits float32 (midpoint)
+
+
+def _pad_tokens(arrays, chunk):
+    T = arrays[0].shape[1]
+    pad = -T % chunk
+    if pad == 0:
+        return arrays
+    return [jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2)) for a in arrays]
+
+
+def _forward(q, k, v, g, beta, gate_params, initial_state, scale, lower_bound, blocks):
+    B, T, H, K = q.shape
+    scale = K**-0.5 if scale is None else scale
+    q, k, v, g, beta = _pad_tokens([q, k, v, g, beta], blocks.chunk)
+    inter = intra_chunk(q, k, v, g, beta, gate_params, seq_len=T, scale=scale, blocks=blocks,
+                        lower_bound=lower_bound)
+    o, state = state_walk(*inter, initial_state, blocks=blocks)
+    return o[:, :T], state
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _chunk_kda(q, k, v, g, beta, initial_state, scale, blocks):
+    return _forward(q, k, v, g, beta, None, initial_state, scale, 0.0, blocks)
+
+
+def _chunk_kda_fwd(q, k, v, g, beta, initial_state, scale, blocks):
+    out = _chunk_kda(q, k, v, g, beta, initial_state, scale, blocks)
+    return out, (q, k, v, g, beta, initial_state)
+
+
+def _chunk_kda_bwd(scale, blocks, residuals, cotangents):
+    reference_fn = lambda *xs: reference.chunk_kda(*xs, scale=scale)
+    _, vjp = jax.vjp(reference_fn, *residuals)
+    return vjp(cotangents)
+
+
+_chunk_kda.defvjp(_chunk_kda_fwd, _chunk_kda_bwd)
+
+
+def chunk_kda(q, k, v, g, beta, initial_state=None, scale=None, *,
+              blocks: KDABlocks = DEFAULT_BLOCKS, safe_gate: bool = True):
+    """Chunked KDA by the Pallas kernels. Same contract as ``k3jax.functional.kda.chunk_kda``:
+    returns (o float32 [B, T, H, V], final_state float32 [B, H, K, V]). Needs g >= -10 per step;
+    ``safe_gate=False`` (unbounded gates) runs the reference instead."""
+    if not safe_gate:
+        return reference.chunk_kda(q, k, v, g, beta, initial_state, scale)
+    if initial_state is None:
+        initial_state = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
+    return _chunk_kda(q, k, v, g, beta, initial_state, scale, blocks)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
+def _chunk_kda_fused(q, k, v, z, a_log, dt_bias, beta_logits, initial_state, lower_bound, scale, blocks):
+    K = q.shape[-1]
+    a_exp = jnp.broadcast_to(jnp.exp(a_log.astype(jnp.float32))[:, None], (a_log.shape[0], K))
+    gate_params = (a_exp, dt_bias.astype(jnp.float32))
+    return _forward(q, k, v, z, beta_logits, gate_params, initial_state, scale, lower_bound, blocks)
+
+
+def _chunk_kda_fused_fwd(q, k, v, z, a_log, dt_bias, beta_logits, initial_state, lower_bound, scale, blocks):
+    out = _chunk_kda_fused(q, k, v, z, a_log, dt_bias, beta_logits, initial_state, lower_bound, scale, blocks)
+    return out, (q, k, v, z, a_log, dt_bias, beta_logits, initial_state)
+
+
+def _chunk_kda_fused_bwd(lower_bound, scale, blocks, residuals, cotangents):
+    def reference_fn(q, k, v, z, a_log, dt_bias, beta_logits, initial_state):
+        return reference.chunk_kda_fused(q, k, v, z, a_log, dt_bias, beta_logits, lower_bound,
+                                         initial_state, scale)
+
+    _, vjp = jax.vjp(reference_fn, *residuals)
+    return vjp(cotangents)
+
+
+_chunk_kda_fused.defvjp(_chunk_kda_fused_fwd, _chunk_kda_fused_bwd)
+
+
+def chunk_kda_fused(q, k, v, z, a_log, dt_bias, beta_logits, lower_bound: float = -5.0,
+                    initial_state=None, scale=None, *, blocks: KDABlocks = DEFAULT_BLOCKS):
+    """Chunked KDA from the layer's raw inputs, with K3's bounded gate, the q/k L2 norms and the beta
+    sigmoid computed inside the kernel. q, k [B, T, H, K] un-normalized; v [B, T, H, V]; z [B, T, H, K]
+    (f_b_proj output); a_log [H]; dt_bias [H, K]; beta_logits [B, T, H]. Returns (o, final_state) as
+    ``chunk_kda``. Raises ValueError when lower_bound < -10 (outside the kernel's float32 range)."""
+    if lower_bound < MIN_LOWER_BOUND:
+        raise ValueError(f"lower_bound {lower_bound} < {MIN_LOWER_BOUND}: use reference.chunk_kda_fused")
+    if initial_state is None:
+        initial_state = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
+    return _chunk_kda_fused(q, k, v, z, a_log, dt_bias, beta_logits, initial_state, float(lower_bound),
+                            scale, blocks)
+
+
+def step_kda(q, k, v, g, beta, state, scale=None, *, blocks: KDABlocks = DEFAULT_BLOCKS):
+    """One decode step for a batch of sequences, same contract as ``k3jax.functional.kda.step_kda``:
+    q, k, g [B, H, K], v [B, H, V], beta [B, H], state [B, H, K, V] float32 -> (o float32 [B, H, V],
+    state). Any gate works here (no factorization). Not differentiable."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return decode_step(q, k, v, g, beta, state, scale=scale, blocks=blocks)
+
+
+__all__ = ["DEFAULT_BLOCKS", "MIN_LOWER_BOUND", "KDABlocks", "chunk_kda", "chunk_kda_fused", "step_kda"]

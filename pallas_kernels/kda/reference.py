@@ -1,0 +1,29 @@
+"""The oracle and CPU fallback for the KDA kernels: ``k3jax.functional.kda``, plus the fused-input
+contract composed from the same functions.
+
+Fused inputs (what the KDA layer has before its gates): raw q, k [B, T, H, K] (not normalized), v
+[B, T, H, V], z [B, T, H, K] (the f_b_proj output), a_log [H], dt_bias [H, K], beta logits [B, T, H].
+"""
+
+from __future__ import annotations
+
+import jax
+
+from k3jax.functional.kda import bounded_gate, chunk_kda, l2_normalize, recurrent_kda, step_kda
+
+
+def fused_inputs(q, k, z, a_log, dt_bias, beta_logits, lower_bound):
+    """(q, k, g, beta) of the plain contract from the fused inputs: L2 norms, K3's bounded gate,
+    sigmoid of beta. All float32."""
+    g = bounded_gate(z, a_log, dt_bias, lower_bound)
+    return l2_normalize(q), l2_normalize(k), g, jax.nn.sigmoid(beta_logits.astype("float32"))
+
+
+def chunk_kda_fused(q, k, v, z, a_log, dt_bias, beta_logits, lower_bound=-5.0,
+                    initial_state=None, scale=None):
+    """Chunked KDA from fused inputs. Returns (o float32 [B, T, H, V], state float32 [B, H, K, V])."""
+    q, k, g, beta = fused_inputs(q, k, z, a_log, dt_bias, beta_logits, lower_bound)
+    return chunk_kda(q, k, v, g, beta, initial_state, scale)
+
+
+__all__ = ["chunk_kda", "recurrent_kda", "step_kda", "fused_inputs", "chunk_kda_fused"]
