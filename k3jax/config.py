@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
@@ -96,12 +95,9 @@ class K3Config:
 
     @property
     def scan_period(self) -> int:
-        """Layers per repeated group: the attention pattern's period, a multiple of the AttnRes block."""
+        """Layers per repeated group: the attention pattern's period (K3: KDA, KDA, KDA, MLA)."""
         types = self.layer_types
-        period = types.index("mla") + 1 if "mla" in types and "kda" in types else 1
-        if self.attn_res_block_size:
-            period = math.lcm(period, self.attn_res_block_size)
-        return period
+        return types.index("mla") + 1 if "mla" in types and "kda" in types else 1
 
     def replace(self, **changes: Any) -> "K3Config":
         return dataclasses.replace(self, **changes)

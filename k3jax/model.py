@@ -1,9 +1,9 @@
 """The Kimi K3 / Kimi Linear decoder: layers from the layer-type pattern, Block AttnRes, the head.
 
 Each layer is its own module (the canonical, unscanned parameter layout). At run time, repeated
-groups of layers (K3: 12 layers = three (KDA, KDA, KDA, MLA) groups = one AttnRes block) have
-their parameters stacked and run under one ``lax.scan``, so a 93-layer model compiles a handful of
-layer bodies instead of 93.
+groups of layers (the (KDA, KDA, KDA, MLA) pattern) have their parameters stacked and run under one
+``lax.scan``, so a 93-layer model compiles 9 layer bodies instead of 93. The AttnRes block commit
+is decided from the (traced) layer index, so groups need not align with the 12-layer blocks.
 
 Block AttnRes state machine (K3, spec section 2), per layer L:
     partial_in = x;  h = mix(blocks, partial_in)            # = partial_in while no block is stored
@@ -74,15 +74,16 @@ class DecoderLayer(nnx.Module):
         x = x + self.attention(x)
         return x + self.ffn(x)
 
-    def attn_res(self, carry: tuple[Array, Array, Array], commit: bool):
-        """K3's Block AttnRes step. carry = (blocks [N, B, T, D], n_blocks, x); returns the new carry
-        and the two mixes' weights [2, N+1, B, T]."""
+    def attn_res(self, carry: tuple[Array, Array, Array], commit: Array):
+        """K3's Block AttnRes step. carry = (blocks [N, B, T, D], n_blocks, x); ``commit`` (a bool,
+        possibly traced) says this layer starts a block. Returns the new carry and the two mixes'
+        weights [2, N+1, B, T]."""
         blocks, n, partial = carry
         h, w_attn = self.self_attention_res(blocks, n, partial)
-        if commit:
-            blocks = jax.lax.dynamic_update_index_in_dim(blocks, partial, n, axis=0)
-            n, partial = n + 1, jnp.zeros_like(partial)
-        partial = partial + self.attention(h)
+        slot = jax.lax.dynamic_index_in_dim(blocks, n, axis=0, keepdims=False)
+        blocks = jax.lax.dynamic_update_index_in_dim(blocks, jnp.where(commit, partial, slot), n, axis=0)
+        n = n + commit.astype(n.dtype)
+        partial = jnp.where(commit, jnp.zeros_like(partial), partial) + self.attention(h)
         h, w_mlp = self.mlp_res(blocks, n, partial)
         return (blocks, n, partial + self.ffn(h)), jnp.stack([w_attn, w_mlp])
 
@@ -90,7 +91,7 @@ class DecoderLayer(nnx.Module):
 def layer_groups(cfg: K3Config) -> list[tuple[int, int, int]]:
     """Split the stack into (first layer, layers per group, repeats): consecutive identical groups of
     ``cfg.scan_period`` layers are one scanned run; the rest (layer 0's dense group, a short tail)
-    run once. K3: [(0, 12, 1), (12, 12, 6), (84, 9, 1)]."""
+    run once. K3: [(0, 4, 1), (4, 4, 22), (92, 1, 1)]."""
     P, L = cfg.scan_period, cfg.num_layers
 
     def signature(start: int) -> tuple:
@@ -123,7 +124,7 @@ class K3Model(nnx.Module):
         self.lm_head = Linear(d, cfg.vocab_size, rngs=rngs, param_dtype=param_dtype)
 
     def _run(self, start: int, size: int, repeats: int, carry, step):
-        """Apply layers [start, start + size * repeats) with ``step(layer, carry, position) -> (carry, y)``."""
+        """Apply layers [start, start + size * repeats) with ``step(layer, carry, index) -> (carry, y)``."""
         if repeats == 1:
             ys = []
             for p in range(size):
@@ -136,14 +137,16 @@ class K3Model(nnx.Module):
             graphs.append(split[0][0])
             stacks.append(jax.tree.map(lambda *a: jnp.stack(a), *[s for _, s in split]))
 
-        def body(carry, states):
+        def body(carry, xs):
+            first, states = xs
             ys = []
             for p in range(size):
-                carry, y = step(nnx.merge(graphs[p], states[p]), carry, start + p)
+                carry, y = step(nnx.merge(graphs[p], states[p]), carry, first + p)
                 ys.append(y)
             return carry, jnp.stack(ys)
 
-        carry, ys = jax.lax.scan(body, carry, stacks)
+        firsts = jnp.arange(start, start + size * repeats, size, dtype=jnp.int32)
+        carry, ys = jax.lax.scan(body, carry, (firsts, stacks))
         return carry, ys.reshape(repeats * size, *ys.shape[2:])
 
     def __call__(self, tokens: Array, return_mix_weights: bool = False):
@@ -153,7 +156,7 @@ class K3Model(nnx.Module):
         if block:
             blocks = jnp.zeros((-(-cfg.num_layers // block), *x.shape), x.dtype)
             carry = (blocks, jnp.asarray(0, jnp.int32), x)
-            step = lambda layer, c, i: layer.attn_res(c, commit=i % block == 0)
+            step = lambda layer, c, i: layer.attn_res(c, commit=jnp.asarray(i % block == 0))
         else:
             carry = x
             step = lambda layer, c, i: (layer.residual(c), jnp.zeros((), x.dtype))
