@@ -13,7 +13,7 @@ from k3jax.functional import kda as F
 from k3jax.functional.conv import causal_conv
 from k3jax.functional.norms import gated_rms_norm
 from k3jax.implementation import get_implementation
-from k3jax.layers.basic import Linear, normal
+from k3jax.layers.basic import Linear, RMSNorm, normal
 from k3jax.typing import Array
 
 
@@ -37,6 +37,17 @@ def _kda_core(q, k, v, g, beta, state):
     return F.chunk_kda(q, k, v, g, beta, state)
 
 
+class ShortConv(nnx.Module):
+    """Causal depthwise conv over W taps; weight [F, 1, W] float32 as released."""
+
+    def __init__(self, width: int, taps: int, *, rngs: nnx.Rngs):
+        self.weight = nnx.Param(normal(rngs, (width, 1, taps), taps**-0.5))
+
+    def __call__(self, x: Array, state: Array) -> tuple[Array, Array]:
+        """x [B, T, F], state [B, W-1, F] -> (conv output [B, T, F] float32, new state)."""
+        return causal_conv(x, self.weight[...][:, 0], state)
+
+
 class KDA(nnx.Module):
     """x [B, T, D] -> [B, T, D]. Parameter names follow the released ``self_attn.*`` tensors."""
 
@@ -47,7 +58,7 @@ class KDA(nnx.Module):
         self.lower_bound = cfg.gate_lower_bound
         lin = lambda i, o: Linear(i, o, rngs=rngs, param_dtype=param_dtype)
         self.q_proj, self.k_proj, self.v_proj = lin(dim, width), lin(dim, width), lin(dim, width)
-        conv = lambda: nnx.Param(normal(rngs, (width, 1, W), W**-0.5))
+        conv = lambda: ShortConv(width, W, rngs=rngs)
         self.q_conv1d, self.k_conv1d, self.v_conv1d = conv(), conv(), conv()
         self.f_a_proj, self.f_b_proj = lin(dim, K), lin(K, width)
         self.b_proj = lin(dim, H)
@@ -57,12 +68,12 @@ class KDA(nnx.Module):
             self.g_proj = lin(dim, width)
         else:
             self.g_a_proj, self.g_b_proj = lin(dim, K), lin(K, width)
-        self.o_norm = nnx.Param(jnp.ones((K,), param_dtype))
+        self.o_norm = RMSNorm(K, eps, param_dtype=param_dtype)
         self.o_proj = lin(width, dim)
 
     def initial_state(self, batch: int) -> KDAState:
         width = self.num_heads * self.head_dim
-        conv = jnp.zeros((batch, self.q_conv1d.shape[-1] - 1, width), jnp.float32)
+        conv = jnp.zeros((batch, self.q_conv1d.weight.shape[-1] - 1, width), jnp.float32)
         rec = jnp.zeros((batch, self.num_heads, self.head_dim, self.head_dim), jnp.float32)
         return KDAState(conv, conv, conv, rec)
 
@@ -71,9 +82,9 @@ class KDA(nnx.Module):
         H, K = self.num_heads, self.head_dim
         state = self.initial_state(B) if state is None else state
         heads = lambda a: a.reshape(B, T, H, K)
-        q, cq = causal_conv(self.q_proj(x), self.q_conv1d[...][:, 0], state.conv_q)
-        k, ck = causal_conv(self.k_proj(x), self.k_conv1d[...][:, 0], state.conv_k)
-        v, cv = causal_conv(self.v_proj(x), self.v_conv1d[...][:, 0], state.conv_v)
+        q, cq = self.q_conv1d(self.q_proj(x), state.conv_q)
+        k, ck = self.k_conv1d(self.k_proj(x), state.conv_k)
+        v, cv = self.v_conv1d(self.v_proj(x), state.conv_v)
         q, k = F.l2_normalize(heads(jax.nn.silu(q))), F.l2_normalize(heads(jax.nn.silu(k)))
         v = heads(jax.nn.silu(v))
         z = heads(self.f_b_proj(self.f_a_proj(x)))
@@ -85,8 +96,8 @@ class KDA(nnx.Module):
         beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
         o, rec = _kda_core(q, k, v, g, beta, state.recurrent)
         gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
-        o = gated_rms_norm(o, heads(gate), self.o_norm[...], self.eps).astype(x.dtype)
+        o = gated_rms_norm(o, heads(gate), self.o_norm.weight[...], self.eps).astype(x.dtype)
         return self.o_proj(o.reshape(B, T, H * K)), KDAState(cq, ck, cv, rec)
 
 
-__all__ = ["KDA", "KDAState"]
+__all__ = ["KDA", "KDAState", "ShortConv"]
