@@ -25,7 +25,7 @@ from flax import nnx
 
 from k3jax.config import K3Config
 from k3jax.layers.attn_res import AttnRes
-from k3jax.layers.basic import Embed, Linear, RMSNorm
+from k3jax.layers.basic import Embed, Keys, Linear, RMSNorm, Rngs
 from k3jax.layers.kda import KDA
 from k3jax.layers.mla import MLA
 from k3jax.layers.mlp import DenseMLP, activation
@@ -44,7 +44,7 @@ class MixWeights(NamedTuple):
 class DecoderLayer(nnx.Module):
     """One layer: attention (KDA or MLA) and feed-forward (dense MLP or MoE), each pre-normed."""
 
-    def __init__(self, cfg: K3Config, layer: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+    def __init__(self, cfg: K3Config, layer: int, *, rngs: Rngs, param_dtype=jnp.float32):
         d, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(d, eps, param_dtype=param_dtype)
         self.post_attention_layernorm = RMSNorm(d, eps, param_dtype=param_dtype)
@@ -111,9 +111,10 @@ def layer_groups(cfg: K3Config) -> list[tuple[int, int, int]]:
 class K3Model(nnx.Module):
     """tokens [B, T] int -> logits [B, T, V] float32 (and, on request, the AttnRes mixing weights)."""
 
-    def __init__(self, cfg: K3Config, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+    def __init__(self, cfg: K3Config, *, rngs: Rngs, param_dtype=jnp.float32):
         self.cfg = cfg
         d = cfg.hidden_size
+        rngs = Keys.of(rngs)
         self.embed_tokens = Embed(cfg.vocab_size, d, rngs=rngs, param_dtype=param_dtype)
         self.layers = nnx.List(
             [DecoderLayer(cfg, i, rngs=rngs, param_dtype=param_dtype) for i in range(cfg.num_layers)]

@@ -13,7 +13,7 @@ from k3jax.functional import kda as F
 from k3jax.functional.conv import causal_conv
 from k3jax.functional.norms import gated_rms_norm
 from k3jax.implementation import get_implementation
-from k3jax.layers.basic import Linear, RMSNorm, normal
+from k3jax.layers.basic import Linear, RMSNorm, Rngs, normal
 from k3jax.typing import Array
 
 
@@ -40,7 +40,7 @@ def _kda_core(q, k, v, g, beta, state):
 class ShortConv(nnx.Module):
     """Causal depthwise conv over W taps; weight [F, 1, W] float32 as released."""
 
-    def __init__(self, width: int, taps: int, *, rngs: nnx.Rngs):
+    def __init__(self, width: int, taps: int, *, rngs: Rngs):
         self.weight = nnx.Param(normal(rngs, (width, 1, taps), taps**-0.5))
 
     def __call__(self, x: Array, state: Array) -> tuple[Array, Array]:
@@ -51,7 +51,7 @@ class ShortConv(nnx.Module):
 class KDA(nnx.Module):
     """x [B, T, D] -> [B, T, D]. Parameter names follow the released ``self_attn.*`` tensors."""
 
-    def __init__(self, dim: int, cfg: KDAConfig, eps: float, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+    def __init__(self, dim: int, cfg: KDAConfig, eps: float, *, rngs: Rngs, param_dtype=jnp.float32):
         H, K, W = cfg.num_heads, cfg.head_dim, cfg.conv_size
         width = H * K
         self.num_heads, self.head_dim, self.eps = H, K, eps
@@ -62,7 +62,7 @@ class KDA(nnx.Module):
         self.q_conv1d, self.k_conv1d, self.v_conv1d = conv(), conv(), conv()
         self.f_a_proj, self.f_b_proj = lin(dim, K), lin(K, width)
         self.b_proj = lin(dim, H)
-        self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (H,), jnp.float32, 1.0, 16.0)))
+        self.A_log = nnx.Param(jnp.log(1.0 + 15.0 * jax.nn.sigmoid(normal(rngs, (H,), 1.0))))
         self.dt_bias = nnx.Param(normal(rngs, (width,), 1.0))
         if cfg.full_rank_gate:
             self.g_proj = lin(dim, width)

@@ -8,7 +8,7 @@ from flax import nnx
 
 from k3jax.config import MLAConfig
 from k3jax.functional.mla import causal_attention, mla_keys_values
-from k3jax.layers.basic import Linear, RMSNorm
+from k3jax.layers.basic import Linear, RMSNorm, Rngs
 from k3jax.typing import Array
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm, as in the public implementations
@@ -17,7 +17,7 @@ LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm, as in the public imp
 class MLA(nnx.Module):
     """x [B, T, D] -> [B, T, D]. Parameter names follow the released ``self_attn.*`` tensors."""
 
-    def __init__(self, dim: int, cfg: MLAConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+    def __init__(self, dim: int, cfg: MLAConfig, *, rngs: Rngs, param_dtype=jnp.float32):
         H = cfg.num_heads
         self.cfg = cfg
         lin = lambda i, o: Linear(i, o, rngs=rngs, param_dtype=param_dtype)

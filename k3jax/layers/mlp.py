@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.functional.moe import Activation, situ, swiglu
-from k3jax.layers.basic import Linear
+from k3jax.layers.basic import Linear, Rngs
 from k3jax.typing import Array
 
 
@@ -24,7 +24,7 @@ def activation(name: str, situ_beta: float = 4.0, situ_linear_beta: float = 25.0
 class DenseMLP(nnx.Module):
     """down_proj(act(gate_proj x, up_proj x)); weights gate/up [F, D], down [D, F]."""
 
-    def __init__(self, dim: int, width: int, act: Activation, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+    def __init__(self, dim: int, width: int, act: Activation, *, rngs: Rngs, param_dtype=jnp.float32):
         self.act = act
         self.gate_proj = Linear(dim, width, rngs=rngs, param_dtype=param_dtype)
         self.up_proj = Linear(dim, width, rngs=rngs, param_dtype=param_dtype)

@@ -14,7 +14,7 @@ from flax import nnx
 
 from k3jax.config import MoEConfig
 from k3jax.functional.moe import Activation, moe_dense, moe_sorted, route
-from k3jax.layers.basic import Linear, RMSNorm, normal
+from k3jax.layers.basic import Linear, RMSNorm, Rngs, normal
 from k3jax.layers.mlp import DenseMLP
 from k3jax.typing import Array
 
@@ -24,7 +24,7 @@ Dispatch = Literal["sorted", "dense"]
 class Router(nnx.Module):
     """Sigmoid router: weight [E, D] and the selection-only correction bias [E] (float32)."""
 
-    def __init__(self, dim: int, num_experts: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+    def __init__(self, dim: int, num_experts: int, *, rngs: Rngs, param_dtype=jnp.float32):
         self.weight = nnx.Param(normal(rngs, (num_experts, dim), dim**-0.5, param_dtype))
         self.e_score_correction_bias = nnx.Param(jnp.zeros((num_experts,), jnp.float32))
 
@@ -32,7 +32,7 @@ class Router(nnx.Module):
 class Experts(nnx.Module):
     """Stacked routed experts: w1 (gate), w3 (up) [E, F, R] and w2 (down) [E, R, F]."""
 
-    def __init__(self, num: int, width: int, hidden: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+    def __init__(self, num: int, width: int, hidden: int, *, rngs: Rngs, param_dtype=jnp.float32):
         self.w1 = nnx.Param(normal(rngs, (num, hidden, width), width**-0.5, param_dtype))
         self.w3 = nnx.Param(normal(rngs, (num, hidden, width), width**-0.5, param_dtype))
         self.w2 = nnx.Param(normal(rngs, (num, width, hidden), hidden**-0.5, param_dtype))
@@ -42,7 +42,7 @@ class MoE(nnx.Module):
     """x [B, T, D] -> [B, T, D]: routed experts (in the latent for K3) plus shared experts."""
 
     def __init__(
-        self, dim: int, cfg: MoEConfig, act: Activation, eps: float, *, rngs: nnx.Rngs,
+        self, dim: int, cfg: MoEConfig, act: Activation, eps: float, *, rngs: Rngs,
         param_dtype=jnp.float32, dispatch: Dispatch = "sorted",
     ):
         self.cfg, self.act, self.dispatch = cfg, act, dispatch
