@@ -1,0 +1,15 @@
+"""Block-scaled (MXFP4 weight, optional MXFP8 activation) matmuls: Pallas kernels beside their
+float32 references. See README.md in this folder for the maths, layout and tiling."""
+
+from pallas_kernels.mx_matmul.kernel import MXBlocks
+from pallas_kernels.mx_matmul.ops import default_blocks, grouped_mx_matmul, mx_matmul
+from pallas_kernels.mx_matmul.reference import grouped_mx_matmul_reference, mx_matmul_reference
+
+__all__ = [
+    "MXBlocks",
+    "default_blocks",
+    "grouped_mx_matmul",
+    "grouped_mx_matmul_reference",
+    "mx_matmul",
+    "mx_matmul_reference",
+]

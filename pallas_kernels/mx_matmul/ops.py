@@ -1,0 +1,183 @@
+"""Public entry points of the MX matmuls (forward only, no gradients offered).
+
+``mx_matmul(x, w)``: x [M, K] times an MXFP4 weight [N, K] (PyTorch [out, in] layout) -> [M, N].
+``grouped_mx_matmul(x, w, group_sizes)``: rows of x sorted by group, w MXFP4 [G, N, K]; rows of
+group g multiply w[g]; groups may be empty; rows past sum(group_sizes) give zeros.
+
+x is either a float array (W4A16: rounded to bf16 for the matrix units) or an MXFP8 ``MXTensor``
+(W4A8). Interpret mode is chosen by ``k3jax.implementation.pallas_interpret()`` (True on CPU)
+unless ``interpret=`` is given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from k3jax.implementation import pallas_interpret
+from k3jax.mx import BLOCK, ZERO_BLOCK_SCALE_BYTE, MXTensor
+from k3jax.typing import Array
+from pallas_kernels.mx_matmul.kernel import MXBlocks, grouped_mx_matmul_pallas, mx_matmul_pallas
+
+_MIN_TILE = 16  # smallest M and N tile of a GPU matrix instruction
+
+
+def default_blocks(m: int, grouped: bool = False) -> MXBlocks:
+    """Tile sizes by the number of rows M (decode-sized M streams weights, large M is compute)."""
+    if m <= 16 or (grouped and m <= 4096):
+        return MXBlocks(bm=16, bn=64, bk=256, num_warps=4, num_stages=4)
+    if m <= 128:
+        return MXBlocks(bm=32, bn=128, bk=128, num_warps=4, num_stages=4)
+    return MXBlocks(bm=128, bn=128, bk=64, num_warps=8, num_stages=3)
+
+
+def _largest_pow2_divisor(n: int, cap: int) -> int:
+    """Largest power of two <= cap that divides n."""
+    p = 1
+    while p * 2 <= cap and n % (p * 2) == 0:
+        p *= 2
+    return p
+
+
+def _fit_blocks(blocks: MXBlocks, m: int, n: int, k: int) -> MXBlocks:
+    """Shrink tiles to the shape: bm <= next power of two of M, bn | N, bk | K (bk >= 32)."""
+    bm = max(_MIN_TILE, min(blocks.bm, 1 << max(m - 1, 1).bit_length()))
+    bn = max(_MIN_TILE, _largest_pow2_divisor(n, blocks.bn))
+    bk = max(BLOCK, _largest_pow2_divisor(k, max(blocks.bk, BLOCK)))
+    return dataclasses.replace(blocks, bm=bm, bn=bn, bk=bk)
+
+
+def _check(x: Array | MXTensor, w: MXTensor, w_ndim: int) -> tuple[int, int, int]:
+    if not isinstance(w, MXTensor) or w.format != "mxfp4" or w.ndim != w_ndim:
+        raise ValueError(f"w must be an MXFP4 MXTensor of rank {w_ndim}, got {w!r:.200}")
+    if isinstance(x, MXTensor) and x.format != "mxfp8":
+        raise ValueError(f"x as an MXTensor must be MXFP8 (W4A8), got {x.format}")
+    m, k = x.shape
+    n, wk = w.shape[-2:]
+    if wk != k:
+        raise ValueError(f"x [M, K] = {tuple(x.shape)} and w [..., N, K] = {w.shape} disagree on K")
+    if k % BLOCK:
+        raise ValueError(f"K = {k} must be a multiple of {BLOCK}")
+    return m, n, k
+
+
+def _pad_axis(a: Array, axis: int, size: int, value) -> Array:
+    pad = size - a.shape[axis]
+    if pad == 0:
+        return a
+    widths = [(0, 0)] * a.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(a, widths, constant_values=value)
+
+
+def _prepare(x: Array | MXTensor, w: MXTensor, m_pad: int, n_pad: int):
+    """Pad rows of x to m_pad and weight rows to n_pad (zero codes, unit scales); split x into its
+    even and odd columns [M, K/2], the elements the low and high nibbles of each code byte meet."""
+    if isinstance(x, MXTensor):
+        xv, xs = _pad_axis(x.codes, 0, m_pad, 0), _pad_axis(x.scales, 0, m_pad, ZERO_BLOCK_SCALE_BYTE)
+    else:
+        xv, xs = _pad_axis(x.astype(jnp.bfloat16), 0, m_pad, 0), None
+    codes = _pad_axis(w.codes, w.ndim - 2, n_pad, 0)
+    scales = _pad_axis(w.scales, w.ndim - 2, n_pad, ZERO_BLOCK_SCALE_BYTE)
+    return xv[:, 0::2], xv[:, 1::2], xs, codes, scales
+
+
+def _resolve(x, out_dtype, interpret):
+    if out_dtype is None:
+        out_dtype = jnp.bfloat16 if isinstance(x, MXTensor) else x.dtype
+    return jnp.dtype(out_dtype), pallas_interpret() if interpret is None else interpret
+
+
+@functools.partial(jax.jit, static_argnames=("blocks", "out_dtype", "interpret"))
+def _mx_matmul(x, w, *, blocks, out_dtype, interpret):
+    m, n, k = _check(x, w, 2)
+    n_pad = -(-n // _MIN_TILE) * _MIN_TILE
+    b = _fit_blocks(blocks, m, n_pad, k)
+    m_pad = -(-m // b.bm) * b.bm
+    x_even, x_odd, xs, codes, scales = _prepare(x, w, m_pad, n_pad)
+    out = mx_matmul_pallas(x_even, x_odd, xs, codes, scales, blocks=b, out_dtype=out_dtype, interpret=interpret)
+    return out[:m, :n]
+
+
+def mx_matmul(
+    x: Array | MXTensor,
+    w: MXTensor,
+    *,
+    blocks: MXBlocks | None = None,
+    out_dtype=None,
+    interpret: bool | None = None,
+) -> Array:
+    """x [M, K] (bf16/f32, or MXFP8 ``MXTensor`` for W4A8) times MXFP4 w [N, K] -> [M, N].
+
+    out_dtype defaults to x's dtype (bf16 for MXFP8 x); accumulation is float32.
+    """
+    out_dtype, interpret = _resolve(x, out_dtype, interpret)
+    blocks = blocks or default_blocks(x.shape[0])
+    return _mx_matmul(x, w, blocks=blocks, out_dtype=out_dtype, interpret=interpret)
+
+
+def _work_items(group_sizes: Array, m: int, bm: int, n_items: int) -> Array:
+    """group_sizes int32 [G] -> int32 [4, n_items]: (group, row tile, first row, end row) per item.
+
+    One item per (group, row tile) pair that the group's rows touch; unused items have an empty
+    row range. A group's rows are [start, end) with start = cumsum - size, clipped to M.
+    """
+    sizes = group_sizes.astype(jnp.int32)
+    ends = jnp.minimum(jnp.cumsum(sizes), m)
+    starts = jnp.minimum(ends, jnp.cumsum(sizes) - sizes)
+    first_tile = starts // bm
+    n_tiles = jnp.where(ends > starts, (ends - 1) // bm - first_tile + 1, 0)
+    item_offset = jnp.cumsum(n_tiles) - n_tiles
+    groups = jnp.arange(sizes.shape[0], dtype=jnp.int32)
+    group = jnp.repeat(groups, n_tiles, total_repeat_length=n_items)
+    index = jnp.arange(n_items, dtype=jnp.int32)
+    tile = first_tile[group] + index - item_offset[group]
+    valid = index < jnp.sum(n_tiles)
+    lo = jnp.where(valid, jnp.maximum(starts[group], tile * bm), 0)
+    hi = jnp.where(valid, jnp.minimum(ends[group], (tile + 1) * bm), 0)
+    return jnp.stack([group, jnp.where(valid, tile, 0), lo, hi]).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("blocks", "out_dtype", "interpret"))
+def _grouped_mx_matmul(x, w, group_sizes, *, blocks, out_dtype, interpret):
+    m, n, k = _check(x, w, 3)
+    g = w.shape[0]
+    if group_sizes.shape != (g,):
+        raise ValueError(f"group_sizes must be [G] = [{g}], got {group_sizes.shape}")
+    n_pad = -(-n // _MIN_TILE) * _MIN_TILE
+    b = _fit_blocks(blocks, m, n_pad, k)
+    m_pad = -(-m // b.bm) * b.bm
+    n_items = m_pad // b.bm + min(g, m) - 1  # each extra non-empty group adds at most one item
+    items = _work_items(group_sizes, m, b.bm, n_items)
+    x_even, x_odd, xs, codes, scales = _prepare(x, w, m_pad, n_pad)
+    out = grouped_mx_matmul_pallas(
+        items, x_even, x_odd, xs, codes, scales, blocks=b, out_dtype=out_dtype, interpret=interpret
+    )
+    covered = jnp.arange(m)[:, None] < jnp.sum(group_sizes)
+    return jnp.where(covered, out[:m, :n], jnp.zeros((), out_dtype))
+
+
+def grouped_mx_matmul(
+    x: Array | MXTensor,
+    w: MXTensor,
+    group_sizes: Array,
+    *,
+    blocks: MXBlocks | None = None,
+    out_dtype=None,
+    interpret: bool | None = None,
+) -> Array:
+    """Ragged MX matmul: x [M, K] rows sorted by group, MXFP4 w [G, N, K], group_sizes int32 [G]
+    -> [M, N]; rows of group g multiply w[g]; rows past sum(group_sizes) are zero.
+
+    x is bf16/f32 (W4A16) or an MXFP8 ``MXTensor`` (W4A8); out_dtype defaults to x's dtype (bf16
+    for MXFP8 x); accumulation is float32.
+    """
+    out_dtype, interpret = _resolve(x, out_dtype, interpret)
+    blocks = blocks or default_blocks(x.shape[0], grouped=True)
+    return _grouped_mx_matmul(x, w, group_sizes, blocks=blocks, out_dtype=out_dtype, interpret=interpret)
+
+
+__all__ = ["MXBlocks", "default_blocks", "grouped_mx_matmul", "mx_matmul"]
