@@ -1,0 +1,118 @@
+"""The k3jax checkpoint on disk: orbax parts plus one JSON manifest.
+
+```
+<ckpt>/config.json            the released config.json, copied
+<ckpt>/k3jax_checkpoint.json  manifest: every canonical parameter -> part, shape, dtype; the source layout
+<ckpt>/parts/part_00000/      an orbax PyTree checkpoint holding some parameters (about 1 GB a part)
+```
+A part's tree is nested by the dotted canonical path; an MXFP4 parameter ``p`` is two leaves,
+``p.codes`` uint8 [..., N, K//2] and ``p.scales`` uint8 [..., N, K//32]. Splitting into parts is
+what lets the converter stream (hold one part, never the model) and resume part by part.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import orbax.checkpoint as ocp
+
+from convert.safetensors_io import CheckpointError
+
+MANIFEST = "k3jax_checkpoint.json"
+PARTS = "parts"
+FORMAT = "k3jax-checkpoint"
+VERSION = 1
+
+
+def part_name(index: int) -> str:
+    return f"part_{index:05d}"
+
+
+def _nest(leaves: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for key, value in leaves.items():
+        node = tree
+        *parents, last = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = value
+    return tree
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(_flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def write_part(directory: Path, leaves: Mapping[str, np.ndarray]) -> None:
+    """Save ``leaves`` (dotted key -> array) as one orbax PyTree checkpoint (no compression);
+    orbax writes to a temporary folder and renames it, so ``directory`` appears only complete."""
+    checkpointer = ocp.PyTreeCheckpointer(use_compression=False)
+    try:
+        checkpointer.save(Path(directory).absolute(), _nest(leaves))
+    finally:
+        checkpointer.close()
+
+
+def read_part(directory: Path) -> dict[str, np.ndarray]:
+    """Restore one part -> dotted key -> numpy array."""
+    checkpointer = ocp.PyTreeCheckpointer()
+    try:
+        tree = checkpointer.restore(Path(directory).absolute())
+    finally:
+        checkpointer.close()
+    return {k: np.asarray(v) for k, v in _flatten(tree).items()}
+
+
+def part_is_complete(directory: Path) -> bool:
+    """True once orbax has finalized the part (its metadata file is present)."""
+    return (Path(directory) / "_CHECKPOINT_METADATA").is_file()
+
+
+def write_json(path: Path, data: Mapping[str, Any]) -> None:
+    """Write JSON via a temporary file and rename, so a reader never sees half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+def read_manifest(folder: Path) -> dict[str, Any]:
+    """The manifest of a finished k3jax checkpoint; raises ``CheckpointError`` if absent or foreign."""
+    path = Path(folder) / MANIFEST
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing; {folder} is not a finished k3jax checkpoint")
+    data = json.loads(path.read_text())
+    if data.get("format") != FORMAT or data.get("version") != VERSION:
+        raise CheckpointError(
+            f"{path}: format {data.get('format')!r} version {data.get('version')!r}; expected {FORMAT!r} {VERSION}"
+        )
+    return data
+
+
+def is_k3jax_checkpoint(folder: Path) -> bool:
+    return (Path(folder) / MANIFEST).is_file()
+
+
+__all__ = [
+    "FORMAT",
+    "MANIFEST",
+    "PARTS",
+    "VERSION",
+    "is_k3jax_checkpoint",
+    "part_is_complete",
+    "part_name",
+    "read_manifest",
+    "read_part",
+    "write_json",
+    "write_part",
+]
