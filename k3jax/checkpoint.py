@@ -17,7 +17,7 @@ experts, split along E over a mesh axis named ``expert`` when there is one and i
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -96,6 +96,28 @@ def _place(value: Any, sharding: NamedSharding | None) -> Any:
     return jax.tree.map(put, value)
 
 
+def from_params(
+    cfg: K3Config, params: Iterable[tuple[str, Any]] | Mapping[str, Any], mesh: Mesh | None = None, *,
+    dtype: Any = None, where: str = "params",
+) -> K3Model:
+    """A ready ``K3Model`` from (canonical path, value) pairs or a path -> value mapping (numpy or
+    jax arrays, ``MXTensor``), each placed as it arrives; ``where`` names the source in errors."""
+    from convert.safetensors_io import CheckpointError
+
+    abstract = nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0), param_dtype=dtype or jnp.bfloat16))
+    graphdef, state = nnx.split(abstract)
+    todo = {".".join(map(str, k)): v for k, v in nnx.to_flat_state(state)}
+    for name, value in params.items() if isinstance(params, Mapping) else params:
+        if name not in todo:
+            raise CheckpointError(f"{where}: parameter {name} has no place in the model built from its config")
+        var = todo.pop(name)
+        target = var.get_value()
+        var.set_value(_place(coerce(target, value, name), sharding_for(mesh, name, tuple(target.shape))))
+    if todo:
+        raise CheckpointError(f"{where}: {len(todo)} model parameter(s) missing, e.g. {next(iter(todo))}")
+    return nnx.merge(graphdef, state)
+
+
 def load(
     path: str | Path, mesh: Mesh | None = None, config: K3Config | Mapping[str, Any] | None = None, *,
     dtype: Any = None,
@@ -107,22 +129,9 @@ def load(
     released so). ``mesh``: see the module docstring. Raises ``CheckpointError`` naming the tensor
     if the checkpoint does not fit the model; ``nnx.split(model)`` gives graphdef and state.
     """
-    from convert.safetensors_io import CheckpointError
-
     path = Path(path)
     cfg = _config(path, config)
-    abstract = nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0), param_dtype=dtype or jnp.bfloat16))
-    graphdef, state = nnx.split(abstract)
-    todo = {".".join(map(str, k)): v for k, v in nnx.to_flat_state(state)}
-    for name, value in iter_params(path, cfg):
-        if name not in todo:
-            raise CheckpointError(f"{path}: parameter {name} has no place in the model built from its config")
-        var = todo.pop(name)
-        target = var.get_value()
-        var.set_value(_place(coerce(target, value, name), sharding_for(mesh, name, tuple(target.shape))))
-    if todo:
-        raise CheckpointError(f"{path}: {len(todo)} model parameter(s) not in the checkpoint, e.g. {next(iter(todo))}")
-    return nnx.merge(graphdef, state)
+    return from_params(cfg, iter_params(path, cfg), mesh, dtype=dtype, where=str(path))
 
 
-__all__ = ["EXPERT_AXIS", "coerce", "iter_params", "load", "sharding_for"]
+__all__ = ["EXPERT_AXIS", "coerce", "from_params", "iter_params", "load", "sharding_for"]
