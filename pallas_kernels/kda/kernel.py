@@ -46,7 +46,7 @@ class KDABlocks:
     decode_block_v: value columns of the state per program of the decode step
     """
 
-    chunk: int = 64
+    chunk: int = 32
     block_v: int = 64
     inter_dtype: str = "bfloat16"
     warps_intra: int = 4
@@ -77,11 +77,11 @@ def _unit_lower_inverse(lower):
     """(I + L)^-1 for a strictly lower-triangular [16, 16] L, by forward substitution (float32)."""
     n = lower.shape[0]
     rows = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0)
-    cols = jax.lax.broadcasted_iota(jnp.int32, (n, n), 1)
+    index = jax.lax.broadcasted_iota(jnp.int32, (n,), 0)
     inv = jnp.zeros((n, n), _F32)
     for i in range(n):
         l_i = _row(lower, i)  # [n] over j
-        new = jnp.where(cols[0] == i, 1.0, 0.0) - jnp.sum(l_i[:, None] * inv, axis=0)
+        new = jnp.where(index == i, 1.0, 0.0) - jnp.sum(l_i[:, None] * inv, axis=0)
         inv = jnp.where(rows == i, new[None, :], inv)
     return inv
 
