@@ -181,12 +181,9 @@ def main():
         try:
             run = fla_runner(x)
             if (B, T) == SHAPES[0]:
-                import torch
-
                 fo = run()[0].float().cpu().numpy()
                 ro = kda_reference.chunk_kda_fused(*fused_args)[0]
                 log(f"fla vs reference o: {rel_err(fo, ro):.2e}")
-                del torch
             fla_ms = time_fla(run)
         except Exception:  # noqa: BLE001
             log(f"fla failed:\n{traceback.format_exc()[-2000:]}")
