@@ -1,0 +1,94 @@
+"""Safetensors IO against the ``safetensors`` library (independent reader/writer); loading onto a mesh."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from convert import write_synthetic
+from convert.names import a_log_to_canonical, a_log_to_released
+from convert.safetensors_io import CheckpointError, dtype_name, read_header, read_tensor, write_safetensors
+from convert.testing import k3_config
+
+
+def _arrays(rng):
+    return {
+        "b.weight": rng.standard_normal((7, 33)).astype(np.float32),
+        "a.codes": rng.integers(0, 256, (5, 3, 17), dtype=np.uint8),
+        "c.index": rng.integers(-9, 9, (11,), dtype=np.int64),
+        "d.half": rng.standard_normal((3, 5)).astype(np.float16),
+    }
+
+
+def test_our_writer_read_by_safetensors(tmp_path):
+    arrays = _arrays(np.random.default_rng(0))
+    path = tmp_path / "ours.safetensors"
+    write_safetensors(path, [(n, dtype_name(a.dtype), a.shape) for n, a in arrays.items()], arrays.__getitem__,
+                      {"format": "pt"})
+    got = load_file(path)
+    assert got.keys() == arrays.keys()
+    for n, a in arrays.items():
+        assert got[n].dtype == a.dtype and np.array_equal(got[n], a), n
+
+
+def test_safetensors_writer_read_by_ours(tmp_path):
+    arrays = _arrays(np.random.default_rng(1))
+    path = tmp_path / "theirs.safetensors"
+    save_file(arrays, path, metadata={"format": "pt"})
+    infos, meta = read_header(path)
+    assert meta == {"format": "pt"} and {t.name for t in infos} == arrays.keys()
+    for t in infos:
+        assert np.array_equal(read_tensor(t), arrays[t.name]) and read_tensor(t).dtype == arrays[t.name].dtype
+
+
+def test_header_overlap_and_trailing_bytes(tmp_path):
+    path = tmp_path / "x.safetensors"
+    a = np.arange(6, dtype=np.float32)
+    write_safetensors(path, [("x", "F32", (6,))], {"x": a}.__getitem__)
+    path.write_bytes(path.read_bytes() + b"\0" * 4)
+    with pytest.raises(CheckpointError, match=r"x.safetensors: corrupt: 4 unexpected trailing bytes"):
+        read_header(path)
+    header = b'{"p":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"q":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}}'
+    path.write_bytes(len(header).to_bytes(8, "little") + header + bytes(12))
+    with pytest.raises(CheckpointError, match=r"tensors 'p' and 'q' overlap"):
+        read_header(path)
+    header = b'{"p":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}}'
+    path.write_bytes(len(header).to_bytes(8, "little") + header + bytes(8))
+    with pytest.raises(CheckpointError, match=r"tensor 'p': data_offsets \[0, 8\] span 8 bytes but F32 \(3,\) needs 12"):
+        read_header(path)
+
+
+@pytest.mark.parametrize("shape", [(128,), (1, 1, 5, 1)])
+def test_a_log_layouts_round_trip(shape):
+    released = np.random.default_rng(2).standard_normal(shape).astype(np.float32)
+    canonical, tail = a_log_to_canonical(released, 5)
+    assert canonical.shape == (5,)
+    assert np.array_equal(a_log_to_released(canonical, shape, tail), released)
+
+
+def test_load_onto_mesh_splits_experts(tmp_path):
+    folder = tmp_path / "released"
+    write_synthetic(folder, k3_config(), seed=4)
+    script = textwrap.dedent(f"""
+        import jax, numpy as np
+        from jax.sharding import Mesh, PartitionSpec as P
+        from k3jax.checkpoint import load
+        mesh = Mesh(np.array(jax.devices()).reshape(1, 2), ("data", "expert"))
+        model = load({str(folder)!r}, mesh=mesh)
+        w1 = model.layers[1].block_sparse_moe.experts.w1[...]
+        w1 = getattr(w1, "codes", w1)
+        assert w1.sharding.spec == P("expert"), w1.sharding
+        assert w1.addressable_shards[0].data.shape[0] == 3
+        q = model.layers[0].self_attn.q_proj.weight[...]
+        assert q.sharding.spec == P() and q.sharding.mesh.shape == {{"data": 1, "expert": 2}}
+        print("ok")
+    """)
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, env=env, timeout=300)
+    assert proc.returncode == 0 and b"ok" in proc.stdout, proc.stderr.decode()[-3000:]
