@@ -61,31 +61,52 @@ class DecoderLayer(nnx.Module):
             self.self_attention_res = AttnRes(d, eps, param_dtype=param_dtype)
             self.mlp_res = AttnRes(d, eps, param_dtype=param_dtype)
 
-    def attention(self, h: Array) -> Array:
-        out = self.self_attn(self.input_layernorm(h))
-        return out[0] if isinstance(self.self_attn, KDA) else out
+    def attention(self, h: Array, cache=None, ctx: "Positions | None" = None):
+        """Attention of the normed input; with a cache (``ctx`` given) it continues the sequence."""
+        x = self.input_layernorm(h)
+        if isinstance(self.self_attn, KDA):
+            return self.self_attn(x, cache, None if ctx is None else ctx.valid)
+        if ctx is None:
+            return self.self_attn(x), None
+        return self.self_attn.extend(x, cache, ctx.start)
 
     def ffn(self, h: Array) -> Array:
         h = self.post_attention_layernorm(h)
         return self.block_sparse_moe(h) if hasattr(self, "block_sparse_moe") else self.mlp(h)
 
-    def residual(self, x: Array) -> Array:
-        """Kimi Linear's plain residual."""
-        x = x + self.attention(x)
-        return x + self.ffn(x)
+    def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
+        """KDA: conv inputs and the float32 state; MLA: the latent cache of max_len positions."""
+        if isinstance(self.self_attn, KDA):
+            return self.self_attn.initial_state(batch)
+        return self.self_attn.init_cache(batch, max_len, dtype)
 
-    def attn_res(self, carry: tuple[Array, Array, Array], commit: Array):
+    def residual(self, x: Array, cache=None, ctx=None):
+        """Kimi Linear's plain residual. Returns (x, no mixing weights, cache)."""
+        a, cache = self.attention(x, cache, ctx)
+        x = x + a
+        return x + self.ffn(x), jnp.zeros((), x.dtype), cache
+
+    def attn_res(self, carry: tuple[Array, Array, Array], commit: Array, cache=None, ctx=None):
         """K3's Block AttnRes step. carry = (blocks [N, B, T, D], n_blocks, x); ``commit`` (a bool,
-        possibly traced) says this layer starts a block. Returns the new carry and the two mixes'
-        weights [2, N+1, B, T]."""
+        possibly traced) says this layer starts a block. Returns the new carry, the two mixes'
+        weights [2, N+1, B, T] and the layer's cache."""
         blocks, n, partial = carry
         h, w_attn = self.self_attention_res(blocks, n, partial)
         slot = jax.lax.dynamic_index_in_dim(blocks, n, axis=0, keepdims=False)
         blocks = jax.lax.dynamic_update_index_in_dim(blocks, jnp.where(commit, partial, slot), n, axis=0)
         n = n + commit.astype(n.dtype)
-        partial = jnp.where(commit, jnp.zeros_like(partial), partial) + self.attention(h)
+        a, cache = self.attention(h, cache, ctx)
+        partial = jnp.where(commit, jnp.zeros_like(partial), partial) + a
         h, w_mlp = self.mlp_res(blocks, n, partial)
-        return (blocks, n, partial + self.ffn(h)), jnp.stack([w_attn, w_mlp])
+        return (blocks, n, partial + self.ffn(h)), jnp.stack([w_attn, w_mlp]), cache
+
+
+class Positions(NamedTuple):
+    """Where new tokens go in each cached sequence: start [B] (position of the first new token)
+    and valid [B, T] (real tokens; a prefix of each row, the rest right padding)."""
+
+    start: Array
+    valid: Array
 
 
 def layer_groups(cfg: K3Config) -> list[tuple[int, int, int]]:
@@ -124,14 +145,17 @@ class K3Model(nnx.Module):
         self.norm = RMSNorm(d, cfg.rms_norm_eps, param_dtype=param_dtype)
         self.lm_head = Linear(d, cfg.vocab_size, rngs=rngs, param_dtype=param_dtype)
 
-    def _run(self, start: int, size: int, repeats: int, carry, step):
-        """Apply layers [start, start + size * repeats) with ``step(layer, carry, index) -> (carry, y)``."""
+    def _run(self, start: int, size: int, repeats: int, carry, step, caches):
+        """Apply layers [start, start + size * repeats) with
+        ``step(layer, carry, index, cache) -> (carry, y, cache)``; ``caches`` holds one entry per
+        position in the group, stacked over the repeats for a scanned run (None without a cache)."""
         if repeats == 1:
-            ys = []
+            ys, new_caches = [], []
             for p in range(size):
-                carry, y = step(self.layers[start + p], carry, start + p)
+                carry, y, c = step(self.layers[start + p], carry, start + p, caches[p])
                 ys.append(y)
-            return carry, jnp.stack(ys)
+                new_caches.append(c)
+            return carry, jnp.stack(ys), new_caches
         graphs, stacks = [], []
         for p in range(size):
             split = [nnx.split(self.layers[start + r * size + p]) for r in range(repeats)]
@@ -139,43 +163,73 @@ class K3Model(nnx.Module):
             stacks.append(jax.tree.map(lambda *a: jnp.stack(a), *[s for _, s in split]))
 
         def body(carry, xs):
-            first, states = xs
-            ys = []
+            first, states, layer_caches = xs
+            ys, new_caches = [], []
             for p in range(size):
-                carry, y = step(nnx.merge(graphs[p], states[p]), carry, first + p)
+                carry, y, c = step(nnx.merge(graphs[p], states[p]), carry, first + p, layer_caches[p])
                 ys.append(y)
-            return carry, jnp.stack(ys)
+                new_caches.append(c)
+            return carry, (jnp.stack(ys), new_caches)
 
         firsts = jnp.arange(start, start + size * repeats, size, dtype=jnp.int32)
-        carry, ys = jax.lax.scan(body, carry, (firsts, stacks))
-        return carry, ys.reshape(repeats * size, *ys.shape[2:])
+        carry, (ys, new_caches) = jax.lax.scan(body, carry, (firsts, stacks, caches))
+        return carry, ys.reshape(repeats * size, *ys.shape[2:]), new_caches
 
-    def __call__(self, tokens: Array, return_mix_weights: bool = False):
+    def init_cache(self, batch: int, max_len: int, dtype=jnp.float32) -> list:
+        """An empty inference cache: per layer group, per position in the group, stacked over the
+        group's repeats (the layout the scan consumes). MLA latents are kept in ``dtype``."""
+        cache = []
+        for start, size, repeats in layer_groups(self.cfg):
+            entries = []
+            for p in range(size):
+                per_layer = [self.layers[start + r * size + p].init_cache(batch, max_len, dtype) for r in range(repeats)]
+                entries.append(per_layer[0] if repeats == 1 else jax.tree.map(lambda *a: jnp.stack(a), *per_layer))
+            cache.append(entries)
+        return cache
+
+    def _forward(self, tokens: Array, cache: list | None, ctx: Positions | None):
         cfg = self.cfg
         x = self.embed_tokens(tokens)
         block = cfg.attn_res_block_size
         if block:
             blocks = jnp.zeros((-(-cfg.num_layers // block), *x.shape), x.dtype)
             carry = (blocks, jnp.asarray(0, jnp.int32), x)
-            step = lambda layer, c, i: layer.attn_res(c, commit=jnp.asarray(i % block == 0))
+            step = lambda layer, c, i, lc: layer.attn_res(c, jnp.asarray(i % block == 0), lc, ctx)
         else:
             carry = x
-            step = lambda layer, c, i: (layer.residual(c), jnp.zeros((), x.dtype))
-        weights = []
-        for run in layer_groups(cfg):
-            carry, ys = self._run(*run, carry, step)
+            step = lambda layer, c, i, lc: layer.residual(c, lc, ctx)
+        weights, new_cache = [], []
+        for g, run in enumerate(layer_groups(cfg)):
+            caches = cache[g] if cache is not None else [None] * run[1]
+            carry, ys, run_cache = self._run(*run, carry, step, caches)
             weights.append(ys)
+            new_cache.append(run_cache)
+        out_weights = None
         if block:
             blocks, n, partial = carry
             x, out_weights = self.output_attn_res(blocks, n, partial)
         else:
             x = carry
         logits = self.lm_head(self.norm(x)).astype(jnp.float32)
+        mix = MixWeights(jnp.concatenate(weights), out_weights) if block else None
+        return logits, mix, new_cache
+
+    def __call__(self, tokens: Array, return_mix_weights: bool = False):
+        """Full causal forward of tokens [B, T] (no cache): logits [B, T, V] float32."""
+        logits, mix, _ = self._forward(tokens, None, None)
         if not return_mix_weights:
             return logits
-        if not block:
+        if mix is None:
             raise ValueError("return_mix_weights: this model has no Block AttnRes (attn_res_block_size is unset)")
-        return logits, MixWeights(jnp.concatenate(weights), out_weights)
+        return logits, mix
+
+    def extend(self, tokens: Array, cache: list, start: Array, lengths: Array) -> tuple[Array, list]:
+        """Continue cached sequences: tokens [B, T] at positions start[b] + t; a sequence's tokens at
+        or beyond lengths[b] are right padding. Returns (logits [B, T, V] float32, the new cache).
+        Used for prefill chunks (T tokens) and decode steps (T = 1)."""
+        valid = start[:, None] + jnp.arange(tokens.shape[1]) < lengths[:, None]
+        logits, _, cache = self._forward(tokens, cache, Positions(start, valid))
+        return logits, cache
 
 
-__all__ = ["K3Model", "DecoderLayer", "MixWeights", "layer_groups"]
+__all__ = ["K3Model", "DecoderLayer", "MixWeights", "Positions", "layer_groups"]

@@ -43,9 +43,9 @@ class ShortConv(nnx.Module):
     def __init__(self, width: int, taps: int, *, rngs: Rngs):
         self.weight = nnx.Param(normal(rngs, (width, 1, taps), taps**-0.5))
 
-    def __call__(self, x: Array, state: Array) -> tuple[Array, Array]:
-        """x [B, T, F], state [B, W-1, F] -> (conv output [B, T, F] float32, new state)."""
-        return causal_conv(x, self.weight[...][:, 0], state)
+    def __call__(self, x: Array, state: Array, lengths: Array | None = None) -> tuple[Array, Array]:
+        """x [B, T, F], state [B, W-1, F], lengths [B] real tokens per row -> (output [B, T, F] f32, new state)."""
+        return causal_conv(x, self.weight[...][:, 0], state, lengths)
 
 
 class KDA(nnx.Module):
@@ -77,14 +77,19 @@ class KDA(nnx.Module):
         rec = jnp.zeros((batch, self.num_heads, self.head_dim, self.head_dim), jnp.float32)
         return KDAState(conv, conv, conv, rec)
 
-    def __call__(self, x: Array, state: KDAState | None = None) -> tuple[Array, KDAState]:
+    def __call__(
+        self, x: Array, state: KDAState | None = None, valid: Array | None = None
+    ) -> tuple[Array, KDAState]:
+        """x [B, T, D] -> (out [B, T, D], state after the tokens). ``valid`` [B, T] marks real tokens
+        (a prefix of each row; the rest is right padding that leaves the state untouched)."""
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         state = self.initial_state(B) if state is None else state
+        lengths = None if valid is None else jnp.sum(valid, axis=1, dtype=jnp.int32)
         heads = lambda a: a.reshape(B, T, H, K)
-        q, cq = self.q_conv1d(self.q_proj(x), state.conv_q)
-        k, ck = self.k_conv1d(self.k_proj(x), state.conv_k)
-        v, cv = self.v_conv1d(self.v_proj(x), state.conv_v)
+        q, cq = self.q_conv1d(self.q_proj(x), state.conv_q, lengths)
+        k, ck = self.k_conv1d(self.k_proj(x), state.conv_k, lengths)
+        v, cv = self.v_conv1d(self.v_proj(x), state.conv_v, lengths)
         q, k = F.l2_normalize(heads(jax.nn.silu(q))), F.l2_normalize(heads(jax.nn.silu(k)))
         v = heads(jax.nn.silu(v))
         z = heads(self.f_b_proj(self.f_a_proj(x)))
@@ -94,6 +99,9 @@ class KDA(nnx.Module):
         else:
             g = F.bounded_gate(z, self.A_log[...], dt_bias, self.lower_bound)
         beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
+        if valid is not None:  # padding neither decays nor writes the state
+            g = jnp.where(valid[:, :, None, None], g, 0.0)
+            beta = jnp.where(valid[:, :, None], beta, 0.0)
         o, rec = _kda_core(q, k, v, g, beta, state.recurrent)
         gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
         o = gated_rms_norm(o, heads(gate), self.o_norm.weight[...], self.eps).astype(x.dtype)

@@ -1,17 +1,28 @@
-"""Gated multi-head latent attention (spec section 4) as a Flax NNX module: full causal sequence."""
+"""Gated multi-head latent attention (spec section 4) as a Flax NNX module: the expanded full-sequence
+form (``__call__``) and the absorbed form over a latent cache (``extend``, for prefill chunks and decode)."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import MLAConfig
-from k3jax.functional.mla import causal_attention, mla_keys_values
+from k3jax.functional.mla import absorbed_attention, causal_attention, mla_keys_values
 from k3jax.layers.basic import Linear, RMSNorm, Rngs
 from k3jax.typing import Array
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm, as in the public implementations
+
+
+class MLACache(NamedTuple):
+    """Per-sequence latent cache: c_kv AFTER kv_a_layernorm [B, S, R] and the shared k_pe [B, S, P]
+    (R + P = 576 values per token for K3), preallocated to S positions."""
+
+    c_kv: Array
+    k_pe: Array
 
 
 class MLA(nnx.Module):
@@ -54,6 +65,32 @@ class MLA(nnx.Module):
             o = o * jax.nn.sigmoid(self.g_proj(x).astype(jnp.float32)).astype(x.dtype)
         return self.o_proj(o)
 
+    def init_cache(self, batch: int, max_len: int, dtype=jnp.float32) -> MLACache:
+        cfg = self.cfg
+        return MLACache(jnp.zeros((batch, max_len, cfg.kv_lora_rank), dtype),
+                        jnp.zeros((batch, max_len, cfg.qk_rope_head_dim), dtype))
+
+    def extend(self, x: Array, cache: MLACache, start: Array) -> tuple[Array, MLACache]:
+        """New tokens x [B, T, D] at positions start[b] + t against the cache, in the absorbed form.
+
+        Writes the new latents into the cache (positions past its end are dropped), then attends
+        every query to the cached positions at or before its own. Padding after a sequence's last
+        token is written too, but only ever seen by later padding: the next real token overwrites it.
+        """
+        cfg = self.cfg
+        B, T, _ = x.shape
+        c_kv, k_pe = self.latent(x)
+        pos = start[:, None] + jnp.arange(T)  # [B, T]
+        rows = jnp.arange(B)[:, None]
+        cache = MLACache(cache.c_kv.at[rows, pos].set(c_kv.astype(cache.c_kv.dtype), mode="drop"),
+                         cache.k_pe.at[rows, pos].set(k_pe.astype(cache.k_pe.dtype), mode="drop"))
+        visible = jnp.arange(cache.c_kv.shape[1])[None, None, :] <= pos[:, :, None]  # [B, T, S]
+        q = self.queries(x)
+        o = absorbed_attention(q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :], cache.c_kv,
+                               cache.k_pe, self.kv_b_proj.weight[...], visible,
+                               cfg.qk_head_dim**-0.5)
+        return self.output(x, o), cache
+
     def __call__(self, x: Array) -> Array:
         cfg = self.cfg
         c_kv, k_pe = self.latent(x)
@@ -63,4 +100,4 @@ class MLA(nnx.Module):
         return self.output(x, o)
 
 
-__all__ = ["MLA", "LATENT_NORM_EPS"]
+__all__ = ["MLA", "MLACache", "LATENT_NORM_EPS"]
