@@ -88,7 +88,11 @@ def record(case: str, impl: str, seconds: float, flops: float, weight_bytes: flo
 
 
 def random_mx(key, shape) -> MXTensor:
-    """Random MXFP4 tensor: uniform code bytes, scales around 2**-7."""
+    """Random MXFP4 tensor: uniform code bytes, scales around 2**-7; a 3-D one is generated one
+    matrix at a time (generating 10 GB of uint8 bits at once takes 4x that in uint32)."""
+    if len(shape) == 3:
+        parts = jax.lax.map(lambda kk: random_mx(kk, shape[1:]), jax.random.split(key, shape[0]))
+        return MXTensor(parts.codes, parts.scales, "mxfp4")
     kc, ks = jax.random.split(key)
     codes = jax.random.bits(kc, (*shape[:-1], shape[-1] // 2), jnp.uint8)
     scales = jax.random.randint(ks, (*shape[:-1], shape[-1] // 32), 118, 122).astype(jnp.uint8)
@@ -218,27 +222,25 @@ def bench_grouped(key, quick: bool) -> None:
             wbytes = active * w.nbytes / e  # bytes of the experts this batch touches
             case = f"{name} tokens={tokens}"
             if tokens <= 64:
-                configs = [MXBlocks(16, bn, bk, 4, 3) for bn in (32, 64, 128) for bk in (256, 512)]
+                configs = [MXBlocks(16, 32, 512, 4, 3), MXBlocks(16, 64, 256, 4, 3)]
             else:
-                configs = [MXBlocks(64, 128, 64, 4, 4), MXBlocks(128, 128, 64, 8, 3), MXBlocks(64, 256, 64, 8, 3),
-                           MXBlocks(128, 128, 128, 8, 3), MXBlocks(128, 64, 128, 4, 3)]
+                configs = [MXBlocks(128, 128, 64, 4, 4), MXBlocks(128, 128, 64, 8, 3)]
             if quick:
                 configs = configs[:2]
             best_kernel(case, lambda b: (lambda x, w, gs: grouped_mx_matmul(x, w, gs, blocks=b)), configs,
                         (x, w, sizes), flops, wbytes, loop=tokens <= 64)
-            try:  # peer: ragged_dot over bf16 weights of only the active experts (its best case)
+            if tokens > 64:  # XLA's ragged_dot lowering asked for 672 GiB here (H200 run, 2026-11-30)
+                print(f"  {case}: ragged_dot peer skipped (does not fit)", flush=True)
+                wd = random_bf16(kb, (k, n))
+                record(case, "XLA dense bf16 dot, same FLOPs", timed(dense, x, wd, max_iters=20), flops, wbytes,
+                       "roofline peer, one weight")
+                del wd
+            else:  # peer: ragged_dot over bf16 weights of only the active experts (its best case)
                 w_bf16 = jax.lax.map(lambda kk: random_bf16(kk, (k, n)), jax.random.split(kb, active))
                 compact = sizes[sizes > 0]
                 record(case, "XLA ragged_dot bf16 weights", timed(ragged, x, w_bf16, compact, max_iters=20),
                        flops, wbytes, f"{active} active experts only")
                 del w_bf16
-            except Exception as err:
-                print(f"  {case} ragged_dot FAILED {type(err).__name__}: {str(err)[:200]}", flush=True)
-            if tokens > 64:
-                wd = random_bf16(kb, (k, n))
-                record(case, "XLA dense bf16 dot, same FLOPs", timed(dense, x, wd, max_iters=20), flops, wbytes,
-                       "roofline peer, one weight")
-                del wd
         del w
 
 
