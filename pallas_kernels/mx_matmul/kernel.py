@@ -2,8 +2,9 @@
 
 Each program owns a [bm, bn] output tile and loops over the contracted axis in steps of bk
 elements: it loads the packed weight codes [bn, bk/2] and E8M0 scales [bn, bk/32], decodes them in
-registers to bf16 (exact: every E2M1 value times a power of two is a bf16), and feeds bf16 x bf16
-products with float32 accumulation to the matrix units (Hopper has no FP4 MMA). The W4A8 form
+registers into two bf16 planes, the even (low nibble) and odd (high nibble) elements (exact: every
+E2M1 value times a power of two is a bf16), and feeds them with the matching even / odd columns of
+x as bf16 x bf16 products with float32 accumulation to the matrix units (Hopper has no FP4 MMA). The W4A8 form
 decodes MXFP8 activations the same way (an E4M3 value times a power of two is also exact in bf16).
 
 The grouped kernel walks a list of work items (group, row tile, valid row range) built by
