@@ -28,7 +28,7 @@ try:
 except ImportError:  # pytest's rootdir insertion puts tests/ itself on sys.path
     import reference_numpy as R
 
-TOL = 1e-5  # float32 against float64 at these sizes; measured errors are 1e-7 .. 2e-6
+TOL = 1e-5  # float32 against float64 at these sizes; measured errors are 7e-8 .. 9e-7
 D = 30  # model width for the layer tests
 B = 2
 
@@ -238,7 +238,7 @@ def _force(kind):
 @pytest.mark.parametrize("variant, kind", [("k3_latent", "banned"), ("kimi_linear", "only_k")])
 def test_moe_sorted_equals_dense_with_empty_experts(variant, kind):
     sorted_mod, params = moe_module(variant, "sorted", seed=9, edit=_force(kind))
-    dense_mod, params_d = moe_module(variant, "dense", seed=9, edit=_force(kind))
+    dense_mod, _ = moe_module(variant, "dense", seed=9, edit=_force(kind))
     x = randn(10, B, 9, D)
     ref, routing = moe_reference(variant, params, x.reshape(B * 9, D))
     used = {e for chosen, _ in routing for e in chosen}
