@@ -31,7 +31,7 @@ def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true", help="re-read the output and compare bit for bit")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--allow-unknown", action="store_true", help="skip (warn about) tensors without a k3jax parameter")
-    p.add_argument("--part-mb", type=int, default=1024, help="orbax part size in MB (memory ~ one part)")
+    p.add_argument("--part-mb", type=int, default=256, help="orbax part size in MB (memory ~ 2 parts)")
     p.add_argument("--seed", type=int, default=0, help="--synthetic: random seed")
     p.add_argument("--shard-mb", type=int, default=None, help="--synthetic: shard size in MB (default: model/4)")
     p.add_argument("--lazy", action="store_true", help="--synthetic: stream random tensors (multi-GB checkpoints)")

@@ -3,9 +3,11 @@
 Everything is validated from the headers before a byte is written (missing, unknown, wrong shape
 or dtype tensors; config against tensors). Then parameters are assembled one at a time from
 memory-mapped reads (routed experts: one stacked tensor per layer and weight) and saved in parts
-of about ``part_bytes``; peak memory is about one part plus the largest single tensor. Output goes to
+of about ``part_bytes``; peak memory is about max(2 parts, largest single tensor) plus fixed
+overhead. Output goes to
 ``<out>.partial/`` and is renamed to ``<out>`` only when complete (and verified, if asked);
-``resume=True`` continues an interrupted run, skipping finished parts.
+``resume=True`` continues an interrupted run, skipping finished parts. Reading the next part
+overlaps writing the previous one (one writer thread; at most 2 x ``part_bytes`` in flight).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import json
 import shutil
 import sys
 import warnings
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Literal
@@ -244,6 +248,48 @@ def _iter_todo(partial: Path, parts: list[list[Job]], bar: Progress) -> Iterator
             yield i, jobs
 
 
+def _write(target: Path, leaves: dict[str, np.ndarray], index: int, count: int) -> None:
+    try:
+        write_part(target, leaves)
+    except OSError as e:
+        out = target.parent.parent.name.removesuffix(".partial")
+        raise ConversionError(
+            f"{target}: writing failed ({e}); {out} was not created. Fix the cause (e.g. free disk space) "
+            f"and rerun with --resume to continue from part {index} of {count}"
+        ) from e
+
+
+def _write_parts(partial: Path, parts: list[list[Job]], todo: Iterator[tuple[int, list[Job]]],
+                 dequantize: Dequantize, bar: Progress, budget: int) -> None:
+    """Assemble parts on this thread while one writer thread saves earlier ones. A part is started
+    only while the parts in flight plus it fit in ``budget`` bytes (or nothing is in flight), so
+    memory stays near max(budget, largest part). On a failure, parts not yet started are dropped."""
+    pending: deque[tuple[Future, int]] = deque()
+
+    def finish_oldest() -> None:
+        future, _ = pending.popleft()
+        try:
+            future.result()
+        except BaseException:
+            for f, _ in pending:
+                f.cancel()
+            raise
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="k3jax-convert-write") as pool:
+        for i, jobs in todo:
+            n = sum(out_bytes(j, dequantize) for j in jobs)
+            while pending and sum(b for _, b in pending) + n > budget:
+                finish_oldest()
+            leaves: dict[str, np.ndarray] = {}
+            for job in jobs:
+                leaves.update(assemble(job, dequantize))
+                bar.advance(job.read_bytes)
+            pending.append((pool.submit(_write, partial / PARTS / part_name(i), leaves, i, len(parts)), n))
+            del leaves
+        while pending:
+            finish_oldest()
+
+
 def _prepare(partial: Path, fingerprint: dict, resume: bool) -> None:
     plan_file = partial / PLAN_FILE
     if partial.exists():
@@ -263,7 +309,7 @@ def _prepare(partial: Path, fingerprint: dict, resume: bool) -> None:
 
 def convert(
     source: str | Path, out: str | Path, *, dequantize: Dequantize = None, resume: bool = False,
-    verify: bool = False, quiet: bool = False, allow_unknown: bool = False, part_bytes: int = 1 << 30,
+    verify: bool = False, quiet: bool = False, allow_unknown: bool = False, part_bytes: int = 256 << 20,
 ) -> Path:
     """Convert the released checkpoint folder ``source`` into the k3jax checkpoint ``out``.
 
@@ -282,20 +328,7 @@ def convert(
     parts = split_parts(pl.jobs, part_bytes, dequantize)
     _prepare(partial, _fingerprint(pl, parts, dequantize), resume)
     bar = Progress(sum(j.read_bytes for j in pl.jobs), f"convert {source.name}", quiet=quiet)
-    for i, jobs in _iter_todo(partial, parts, bar):
-        target = partial / PARTS / part_name(i)
-        leaves: dict[str, np.ndarray] = {}
-        for job in jobs:
-            leaves.update(assemble(job, dequantize))
-            bar.advance(job.read_bytes)
-        try:
-            write_part(target, leaves)
-        except OSError as e:
-            raise ConversionError(
-                f"{target}: writing failed ({e}); {out} was not created. Fix the cause (e.g. free disk space) "
-                f"and rerun with --resume to continue from part {i} of {len(parts)}"
-            ) from e
-        del leaves
+    _write_parts(partial, parts, _iter_todo(partial, parts, bar), dequantize, bar, max(2 * part_bytes, 1))
     bar.close()
     shutil.copyfile(source / "config.json", partial / "config.json")
     write_json(partial / MANIFEST, manifest(pl, parts, dequantize))

@@ -148,17 +148,18 @@ def _fail_on_call(n, exc):
     return write
 
 
-def _assert_resumes_to(src, out, reference):
+def _assert_resumes_to(src, out, reference, failed):
+    """Parts before ``failed`` are complete, ``failed`` is not (a later one may be: one write overlaps)."""
     partial = out.with_name(out.name + ".partial")
     assert partial.is_dir() and not (partial / MANIFEST).exists() and not out.exists()
     with pytest.raises(ConversionError, match=r"interrupted conversion; pass --resume"):
         convert(src, out, quiet=True, part_bytes=PART)
-    done = sorted(p.name for p in (partial / PARTS).iterdir())
+    done = {p.name for p in (partial / PARTS).iterdir() if (p / "_CHECKPOINT_METADATA").is_file()}
+    assert {f"part_{i:05d}" for i in range(failed)} <= done and f"part_{failed:05d}" not in done, done
     convert(src, out, quiet=True, part_bytes=PART, resume=True, verify=True)
     assert not partial.exists()
     got = read_params(out)
     assert got.keys() == reference.keys() and all(same_bytes(got[k], reference[k]) for k in got)
-    return done
 
 
 def test_disk_full_midway_then_resume(linear_src, reference, tmp_path, monkeypatch):
@@ -167,7 +168,7 @@ def test_disk_full_midway_then_resume(linear_src, reference, tmp_path, monkeypat
     with pytest.raises(ConversionError, match=r"part_00002: writing failed .*No space left.*rerun with --resume"):
         convert(linear_src, out, quiet=True, part_bytes=PART)
     monkeypatch.undo()
-    assert _assert_resumes_to(linear_src, out, reference) == ["part_00000", "part_00001"]
+    _assert_resumes_to(linear_src, out, reference, failed=2)
 
 
 def test_interrupt_then_resume(linear_src, reference, tmp_path, monkeypatch):
@@ -176,7 +177,7 @@ def test_interrupt_then_resume(linear_src, reference, tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         convert(linear_src, out, quiet=True, part_bytes=PART)
     monkeypatch.undo()
-    assert len(_assert_resumes_to(linear_src, out, reference)) == 4
+    _assert_resumes_to(linear_src, out, reference, failed=4)
 
 
 def test_resume_after_kill(linear_src, reference, tmp_path):
@@ -195,7 +196,7 @@ def test_resume_after_kill(linear_src, reference, tmp_path):
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=300)
     assert proc.returncode == -9, proc.stderr.decode()[-2000:]
-    assert len(_assert_resumes_to(linear_src, out, reference)) == 3
+    _assert_resumes_to(linear_src, out, reference, failed=3)
 
 
 def test_resume_refuses_a_different_source(linear_src, k3_src, tmp_path, monkeypatch):
