@@ -44,7 +44,7 @@ class MixWeights(NamedTuple):
 class DecoderLayer(nnx.Module):
     """One layer: attention (KDA or MLA) and feed-forward (dense MLP or MoE), each pre-normed."""
 
-    def __init__(self, cfg: K3Config, layer: int, *, rngs: Rngs, param_dtype=jnp.float32):
+    def __init__(self, cfg: K3Config, layer: int, *, rngs: Rngs, param_dtype=jnp.float32, packed_experts=False):
         d, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(d, eps, param_dtype=param_dtype)
         self.post_attention_layernorm = RMSNorm(d, eps, param_dtype=param_dtype)
@@ -54,7 +54,8 @@ class DecoderLayer(nnx.Module):
             self.self_attn = MLA(d, cfg.mla, rngs=rngs, param_dtype=param_dtype)
         act = activation(cfg.hidden_act, cfg.situ_beta, cfg.situ_linear_beta)
         if cfg.is_moe_layer(layer):
-            self.block_sparse_moe = MoE(d, cfg.moe, act, eps, rngs=rngs, param_dtype=param_dtype)
+            self.block_sparse_moe = MoE(d, cfg.moe, act, eps, rngs=rngs, param_dtype=param_dtype,
+                                        packed_experts=packed_experts)
         else:
             self.mlp = DenseMLP(d, cfg.dense_intermediate_size, act, rngs=rngs, param_dtype=param_dtype)
         if cfg.attn_res_block_size:
@@ -130,16 +131,22 @@ def layer_groups(cfg: K3Config) -> list[tuple[int, int, int]]:
 
 
 class K3Model(nnx.Module):
-    """tokens [B, T] int -> logits [B, T, V] float32 (and, on request, the AttnRes mixing weights)."""
+    """tokens [B, T] int -> logits [B, T, V] float32 (and, on request, the AttnRes mixing weights).
 
-    def __init__(self, cfg: K3Config, *, rngs: Rngs, param_dtype=jnp.float32):
+    ``packed_experts`` (default: ``cfg.mx_experts``, true for K3) keeps routed experts as MXFP4
+    ``MXTensor`` parameters; False stores them as ``param_dtype`` arrays.
+    """
+
+    def __init__(self, cfg: K3Config, *, rngs: Rngs, param_dtype=jnp.float32, packed_experts: bool | None = None):
         self.cfg = cfg
         d = cfg.hidden_size
         rngs = Keys.of(rngs)
+        packed = cfg.mx_experts if packed_experts is None else packed_experts
         self.embed_tokens = Embed(cfg.vocab_size, d, rngs=rngs, param_dtype=param_dtype)
-        self.layers = nnx.List(
-            [DecoderLayer(cfg, i, rngs=rngs, param_dtype=param_dtype) for i in range(cfg.num_layers)]
-        )
+        self.layers = nnx.List([
+            DecoderLayer(cfg, i, rngs=rngs, param_dtype=param_dtype, packed_experts=packed)
+            for i in range(cfg.num_layers)
+        ])
         if cfg.attn_res_block_size:
             self.output_attn_res = AttnRes(d, cfg.rms_norm_eps, param_dtype=param_dtype)
         self.norm = RMSNorm(d, cfg.rms_norm_eps, param_dtype=param_dtype)

@@ -13,9 +13,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import MoEConfig
-from k3jax.functional.moe import Activation, moe_dense, moe_sorted, route
+from k3jax.functional.moe import Activation, grouped_matmul, moe_dense, moe_sorted, route
+from k3jax.implementation import get_implementation
 from k3jax.layers.basic import Linear, RMSNorm, Rngs, normal
 from k3jax.layers.mlp import DenseMLP
+from k3jax.mx import MXTensor
 from k3jax.typing import Array
 
 Dispatch = Literal["sorted", "dense"]
@@ -30,12 +32,32 @@ class Router(nnx.Module):
 
 
 class Experts(nnx.Module):
-    """Stacked routed experts: w1 (gate), w3 (up) [E, F, R] and w2 (down) [E, R, F]."""
+    """Stacked routed experts: w1 (gate), w3 (up) [E, F, R] and w2 (down) [E, R, F]; arrays, or
+    ``MXTensor`` (MXFP4 codes + E8M0 scales, the released bytes) when ``packed``."""
 
-    def __init__(self, num: int, width: int, hidden: int, *, rngs: Rngs, param_dtype=jnp.float32):
-        self.w1 = nnx.Param(normal(rngs, (num, hidden, width), width**-0.5, param_dtype))
-        self.w3 = nnx.Param(normal(rngs, (num, hidden, width), width**-0.5, param_dtype))
-        self.w2 = nnx.Param(normal(rngs, (num, width, hidden), hidden**-0.5, param_dtype))
+    def __init__(self, num: int, width: int, hidden: int, *, rngs: Rngs, param_dtype=jnp.float32, packed=False):
+        def weight(shape, fan_in):
+            w = normal(rngs, shape, fan_in**-0.5, param_dtype)
+            return nnx.Param(MXTensor.quantize(w) if packed else w)
+
+        self.w1 = weight((num, hidden, width), width)
+        self.w3 = weight((num, hidden, width), width)
+        self.w2 = weight((num, width, hidden), hidden)
+
+
+def _expert_matmul(x: Array, w: Array | MXTensor, group_sizes: Array) -> Array:
+    """Grouped expert matmul: the MX kernel on the Pallas path, decode-then-``ragged_dot`` otherwise."""
+    if isinstance(w, MXTensor):
+        if get_implementation() == "pallas":
+            from pallas_kernels.mx_matmul import grouped_mx_matmul
+
+            return grouped_mx_matmul(x, w, group_sizes)
+        w = w.decode(x.dtype)
+    return grouped_matmul(x, w, group_sizes)
+
+
+def _dense(w: Array | MXTensor, dtype) -> Array:
+    return w.decode(dtype) if isinstance(w, MXTensor) else w
 
 
 class MoE(nnx.Module):
@@ -43,12 +65,13 @@ class MoE(nnx.Module):
 
     def __init__(
         self, dim: int, cfg: MoEConfig, act: Activation, eps: float, *, rngs: Rngs,
-        param_dtype=jnp.float32, dispatch: Dispatch = "sorted",
+        param_dtype=jnp.float32, dispatch: Dispatch = "sorted", packed_experts: bool = False,
     ):
         self.cfg, self.act, self.dispatch = cfg, act, dispatch
         width = cfg.latent_size or dim
         self.gate = Router(dim, cfg.num_experts, rngs=rngs, param_dtype=param_dtype)
-        self.experts = Experts(cfg.num_experts, width, cfg.intermediate_size, rngs=rngs, param_dtype=param_dtype)
+        self.experts = Experts(cfg.num_experts, width, cfg.intermediate_size, rngs=rngs, param_dtype=param_dtype,
+                               packed=packed_experts)
         if cfg.latent_size:
             self.routed_expert_down_proj = Linear(dim, width, rngs=rngs, param_dtype=param_dtype)
             self.routed_expert_up_proj = Linear(width, dim, rngs=rngs, param_dtype=param_dtype)
@@ -69,9 +92,12 @@ class MoE(nnx.Module):
         flat = x.reshape(B * T, D)
         weights, experts = self.route(flat)
         z = self.routed_expert_down_proj(flat) if self.cfg.latent_size else flat
-        dispatch = moe_sorted if self.dispatch == "sorted" else moe_dense
-        e = self.experts
-        y = dispatch(z, e.w1[...], e.w3[...], e.w2[...], weights, experts, self.act)
+        w1, w3, w2 = (w.get_value() for w in (self.experts.w1, self.experts.w3, self.experts.w2))
+        if self.dispatch == "sorted":
+            y = moe_sorted(z, w1, w3, w2, weights, experts, self.act, matmul=_expert_matmul)
+        else:
+            w1, w3, w2 = (_dense(w, z.dtype) for w in (w1, w3, w2))
+            y = moe_dense(z, w1, w3, w2, weights, experts, self.act)
         if self.cfg.latent_size:
             if self.cfg.latent_norm:
                 y = self.routed_expert_norm(y)
