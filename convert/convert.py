@@ -26,7 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from convert.names import (
-    Param, Released, a_log_to_canonical, check_tensor, is_skipped, param_table, prefix_for, released_specs,
+    Param, Released, a_log_to_canonical, check_tensor, is_skipped, mx_decode_bf16, param_table, prefix_for,
+    released_specs,
 )
 from convert.orbax_io import FORMAT, MANIFEST, PARTS, VERSION, part_is_complete, part_name, read_part, write_json, write_part
 from convert.progress import Progress
@@ -161,7 +162,7 @@ def assemble(job: Job, dequantize: Dequantize = None) -> dict[str, np.ndarray]:
     if dequantize:
         out = np.empty(p.shape, np.dtype(jnp.bfloat16))
         for e, (c, s) in enumerate(zip(packed, scales)):
-            out[e] = np.asarray(MXTensor(jnp.asarray(read_tensor(c)), jnp.asarray(read_tensor(s))).decode(jnp.bfloat16))
+            out[e] = np.asarray(mx_decode_bf16(MXTensor(jnp.asarray(read_tensor(c)), jnp.asarray(read_tensor(s)))))
         return {p.path: out}
     codes = np.empty((len(packed), *packed[0].shape), np.uint8)
     scale = np.empty((len(scales), *scales[0].shape), np.uint8)

@@ -22,6 +22,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -35,6 +36,9 @@ Kind = Literal["copy", "a_log", "experts"]
 K3_PREFIX = "language_model."
 SKIPPED_PREFIXES = ("vision_tower.", "mm_projector.")
 A_LOG_PAD = 128
+# Jitted MX encode/decode: eagerly every op compiles on its own (about a second a tensor shape).
+mx_quantize = jax.jit(MXTensor.quantize)
+mx_decode_bf16 = jax.jit(lambda t: t.decode(jnp.bfloat16))
 
 # (canonical path regex, released name templates: first is written on export, the rest are accepted
 # aliases; {0}, {1}.. are the regex groups and {e} the expert index), transform.
@@ -184,10 +188,10 @@ def expert_row(value: Any, spec: Released) -> np.ndarray:
     ``spec.dtype`` if ``spec`` is a plain weight)."""
     e = spec.expert
     if spec.field == "weight":
-        row = MXTensor(value.codes[e], value.scales[e]).decode(jnp.bfloat16) if isinstance(value, MXTensor) else value[e]
+        row = mx_decode_bf16(MXTensor(value.codes[e], value.scales[e])) if isinstance(value, MXTensor) else value[e]
         return np.asarray(row).astype(np.dtype(jnp.bfloat16) if spec.dtype == "BF16" else np.float32)
     if not isinstance(value, MXTensor):
-        value = MXTensor.quantize(jnp.asarray(value[e : e + 1]))
+        value = mx_quantize(jnp.asarray(value[e : e + 1]))
         e = 0
     return np.asarray(value.codes[e] if spec.field == "weight_packed" else value.scales[e])
 
@@ -212,6 +216,8 @@ __all__ = [
     "check_tensor",
     "expert_row",
     "is_skipped",
+    "mx_decode_bf16",
+    "mx_quantize",
     "nbytes",
     "param_table",
     "prefix_for",

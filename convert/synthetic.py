@@ -19,18 +19,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Iterator
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from convert.export import export
-from convert.names import Param, param_table
+from convert.names import Param, mx_quantize, param_table
 from k3jax.config import from_hf_config
 from k3jax.mx import BLOCK, MXTensor
 from k3jax.presets import preset_hf_config
 
 _BF16 = np.dtype(jnp.bfloat16)
-_quantize = jax.jit(MXTensor.quantize)  # eager, each of its ops compiles separately: 1 s a tensor
 
 
 def synthetic_params(hf_config: Mapping[str, Any], seed: int = 0) -> dict[str, Any]:
@@ -43,7 +41,7 @@ def synthetic_params(hf_config: Mapping[str, Any], seed: int = 0) -> dict[str, A
     for path, p in draw.table.items():
         value = draw[path]
         if cfg.mx_experts and p.kind == "experts":
-            q = _quantize(jnp.asarray(value, jnp.float32))
+            q = mx_quantize(jnp.asarray(value, jnp.float32))
             value = MXTensor(np.asarray(q.codes), np.asarray(q.scales))
         out[path] = value
     return out

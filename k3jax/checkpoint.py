@@ -8,9 +8,10 @@ as soon as it is read, so host memory holds about one part/tensor at a time:
 - a released safetensors folder (Kimi-K3 or Kimi-Linear), converted on the fly (same name table,
   same validation as ``k3jax convert``).
 
-Routed experts: if the model's expert parameters hold ``MXTensor`` values they are filled with the
-packed codes and scales (or quantized, from a bf16 checkpoint); if they hold arrays, MXFP4 experts
-are decoded to the parameter dtype. Sharding on a ``mesh``: everything replicated, except routed
+Routed experts: if the model's expert parameters hold ``MXTensor`` values (``K3Model``'s default
+for an MXFP4 config) they are filled with the packed codes and scales (or quantized, from a bf16
+checkpoint: lossless for values that came from MXFP4); with ``packed_experts=False`` they hold
+arrays and MXFP4 experts are decoded to the parameter dtype. Sharding on a ``mesh``: everything replicated, except routed
 experts, split along E over a mesh axis named ``expert`` when there is one and it divides E.
 """
 
@@ -30,7 +31,9 @@ from k3jax.model import K3Model
 from k3jax.mx import MXTensor
 
 EXPERT_AXIS = "expert"
-_decode = jax.jit(lambda mx, dtype: mx.decode(dtype), static_argnums=1)  # eager decode compiles op by op
+# Eagerly, every op of MX encode/decode compiles on its own (about a second a tensor shape).
+_decode = jax.jit(lambda mx, dtype: mx.decode(dtype), static_argnums=1)
+_quantize = jax.jit(MXTensor.quantize)
 
 
 def _config(path: Path, config: K3Config | Mapping[str, Any] | None) -> K3Config:
@@ -85,7 +88,7 @@ def coerce(target: Any, value: Any, path: str) -> Any:
         raise CheckpointError(f"{path}: checkpoint holds shape {tuple(value.shape)}; the model expects "
                               f"{tuple(target.shape)} (does config.json match the checkpoint?)")
     if isinstance(target, MXTensor):
-        return value if isinstance(value, MXTensor) else MXTensor.quantize(jnp.asarray(value), name=path)
+        return value if isinstance(value, MXTensor) else _quantize(jnp.asarray(value))
     if isinstance(value, MXTensor):
         return _decode(MXTensor(jnp.asarray(value.codes), jnp.asarray(value.scales)), jnp.dtype(target.dtype))
     return np.asarray(value).astype(target.dtype, copy=False)
@@ -98,13 +101,15 @@ def _place(value: Any, sharding: NamedSharding | None) -> Any:
 
 def from_params(
     cfg: K3Config, params: Iterable[tuple[str, Any]] | Mapping[str, Any], mesh: Mesh | None = None, *,
-    dtype: Any = None, where: str = "params",
+    dtype: Any = None, packed_experts: bool | None = None, where: str = "params",
 ) -> K3Model:
     """A ready ``K3Model`` from (canonical path, value) pairs or a path -> value mapping (numpy or
-    jax arrays, ``MXTensor``), each placed as it arrives; ``where`` names the source in errors."""
+    jax arrays, ``MXTensor``), each placed as it arrives; ``where`` names the source in errors.
+    ``packed_experts`` is ``K3Model``'s (default: MXFP4 ``MXTensor`` experts iff ``cfg.mx_experts``)."""
     from convert.safetensors_io import CheckpointError
 
-    abstract = nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0), param_dtype=dtype or jnp.bfloat16))
+    abstract = nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0), param_dtype=dtype or jnp.bfloat16,
+                                              packed_experts=packed_experts))
     graphdef, state = nnx.split(abstract)
     todo = {".".join(map(str, k)): v for k, v in nnx.to_flat_state(state)}
     for name, value in params.items() if isinstance(params, Mapping) else params:
@@ -120,18 +125,20 @@ def from_params(
 
 def load(
     path: str | Path, mesh: Mesh | None = None, config: K3Config | Mapping[str, Any] | None = None, *,
-    dtype: Any = None,
+    dtype: Any = None, packed_experts: bool | None = None,
 ) -> K3Model:
     """Restore ``path`` (k3jax checkpoint or released safetensors folder) into a ready ``K3Model``.
 
     ``config`` (a ``K3Config`` or config.json dict) overrides ``path/config.json``. ``dtype`` is the
     model's ``param_dtype`` (default bf16: parameters keep their released dtypes, float32 where
-    released so). ``mesh``: see the module docstring. Raises ``CheckpointError`` naming the tensor
+    released so). ``packed_experts``: routed experts as MXFP4 ``MXTensor`` (default for K3) or
+    decoded ``dtype`` arrays (False). ``mesh``: see the module docstring. Raises ``CheckpointError`` naming the tensor
     if the checkpoint does not fit the model; ``nnx.split(model)`` gives graphdef and state.
     """
     path = Path(path)
     cfg = _config(path, config)
-    return from_params(cfg, iter_params(path, cfg), mesh, dtype=dtype, where=str(path))
+    return from_params(cfg, iter_params(path, cfg), mesh, dtype=dtype, packed_experts=packed_experts,
+                       where=str(path))
 
 
 __all__ = ["EXPERT_AXIS", "coerce", "from_params", "iter_params", "load", "sharding_for"]

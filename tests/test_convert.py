@@ -97,6 +97,10 @@ def test_dequantize_bf16_then_export_repacks(tmp_path):
     back = export_checkpoint(out, tmp_path / "back")
     for p in folder.iterdir():
         assert (back / p.name).read_bytes() == p.read_bytes(), p.name
+    requantized = load(out).layers[2].block_sparse_moe.experts.w2.get_value()
+    assert same_bytes(requantized.codes, w2.codes) and same_bytes(requantized.scales, w2.scales)
+    decoded = load(folder, packed_experts=False).layers[2].block_sparse_moe.experts.w2.get_value()
+    assert same_bytes(decoded, np.asarray(w2.decode(jnp.bfloat16)))
 
 
 def test_cli_convert_verify_and_export(tmp_path, capsys):
