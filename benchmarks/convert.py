@@ -1,11 +1,14 @@
 """Converter throughput against the raw read speed of the same files, and peak memory.
 
-    python benchmarks/convert.py --dir /tmp/k3bench [--preset mini] [--part-mb 256] [--keep]
+    python benchmarks/convert.py --dir /tmp/k3bench [--out-dir /dev/shm/k3bench] [--preset mini]
+                                 [--part-mb 128] [--inflight-mb 768] [--keep]
 
 Writes a multi-GB synthetic K3-layout checkpoint (MXFP4 experts, several shards; streamed, never
 in memory), then measures, each in a fresh subprocess (this process never imports JAX, so the
 children's ``ru_maxrss``, which Linux carries over fork and exec, is their own):
 - raw read: every shard read sequentially with ``readinto`` into one 64 MB buffer;
+- raw copy: the same reads, each buffer written to a new file beside them (the I/O floor of any
+  converter that writes what it reads; reported as a second peer);
 - conversion: ``convert.convert`` of the same folder (orbax parts, no verify);
 both with the source files evicted from the page cache first (``posix_fadvise DONTNEED``, "cold")
 and with them cached ("warm"). Peak memory is the conversion subprocess's ``ru_maxrss``, compared
@@ -48,19 +51,32 @@ print(json.dumps({"seconds": time.perf_counter() - t, "bytes": n,
                   "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 """
 
+_COPY = """
+import json, os, sys, time
+dst, files = sys.argv[1], sys.argv[2:]
+buf = memoryview(bytearray(64 << 20))
+t, n = time.perf_counter(), 0
+for i, f in enumerate(files):
+    with open(f, "rb", buffering=0) as fh, open(os.path.join(dst, str(i)), "wb", buffering=0) as out:
+        while k := fh.readinto(buf):
+            out.write(buf[:k])
+            n += k
+print(json.dumps({"seconds": time.perf_counter() - t, "bytes": n}))
+"""
+
 _CONVERT = """
 import json, resource, sys, time, warnings
 warnings.simplefilter("ignore")
 from convert.convert import convert, plan
 from convert.safetensors_io import open_checkpoint
-src, out, part, only_plan = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"
+src, out, part, inflight, only_plan = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
 t = time.perf_counter()
 largest = 0
 if only_plan:
     from convert.convert import out_bytes
     largest = max(out_bytes(j, None) for j in plan(open_checkpoint(src)).jobs)
 else:
-    convert(src, out, quiet=True, part_bytes=part)
+    convert(src, out, quiet=True, part_bytes=part, inflight_bytes=inflight)
 print(json.dumps({"seconds": time.perf_counter() - t, "largest": largest,
                   "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 """
@@ -88,12 +104,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", type=Path, default=Path("/tmp/k3jax_convert_bench"))
     ap.add_argument("--preset", default="mini")
-    ap.add_argument("--part-mb", type=int, default=256)
+    ap.add_argument("--part-mb", type=int, default=128)
+    ap.add_argument("--inflight-mb", type=int, default=768)
     ap.add_argument("--shard-mb", type=int, default=700)
-    ap.add_argument("--keep", action="store_true", help="keep the files afterwards")
+    ap.add_argument("--out-dir", type=Path, default=None,
+                    help="where outputs (conversion, copy peer) go, e.g. /dev/shm to take the disk's writes out")
+    ap.add_argument("--keep", action="store_true", help="keep the source afterwards")
     args = ap.parse_args()
 
-    src, out = args.dir / "released", args.dir / "k3jax"
+    out_dir = args.out_dir or args.dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    src, out = args.dir / "released", out_dir / "k3jax"
     if not src.exists():
         t = time.perf_counter()
         _run(_GENERATE, str(src), args.preset, str(args.shard_mb << 20))
@@ -101,7 +122,7 @@ def main() -> None:
     files = sorted(src.glob("*.safetensors"))
     size = sum(f.stat().st_size for f in files)
     part = args.part_mb << 20
-    overhead = _run(_CONVERT, str(src), str(out), str(part), "1")
+    overhead = _run(_CONVERT, str(src), str(out), str(part), str(args.inflight_mb << 20), "1")
     largest = overhead["largest"]
     rows = []
     for cache in ("cold", "warm"):
@@ -112,16 +133,26 @@ def main() -> None:
         read = _run(_READ, *map(str, files))
         if cache == "cold":
             _evict(files)
+        copy_dir = out_dir / "copy"
+        copy_dir.mkdir(exist_ok=True)
+        copy = _run(_COPY, str(copy_dir), *map(str, files))
+        shutil.rmtree(copy_dir)
+        if cache == "cold":
+            _evict(files)
         shutil.rmtree(out, ignore_errors=True)
-        conv = _run(_CONVERT, str(src), str(out), str(part), "0")
-        rows.append((cache, size / read["seconds"], size / conv["seconds"], conv["seconds"], conv["max_rss"]))
+        conv = _run(_CONVERT, str(src), str(out), str(part), str(args.inflight_mb << 20), "0")
+        rows.append((cache, size / read["seconds"], size / copy["seconds"], size / conv["seconds"], conv["seconds"],
+                     conv["max_rss"]))
     gb = 1e9
-    print(f"\nsource: {len(files)} shards, {size / gb:.2f} GB ({args.preset}); largest output tensor "
-          f"{largest / gb:.2f} GB; parts of {args.part_mb} MB; import+plan RSS {overhead['max_rss'] / gb:.2f} GB")
-    print(f"| cache | raw read GB/s | convert GB/s | ratio | convert s | peak RSS GB | largest + 1 GB |")
-    print(f"|---|---|---|---|---|---|---|")
-    for cache, r, c, s, rss in rows:
-        print(f"| {cache} | {r / gb:.2f} | {c / gb:.2f} | {c / r:.0%} | {s:.1f} | {rss / gb:.2f} | {(largest + 2**30) / gb:.2f} |")
+    shutil.rmtree(out, ignore_errors=True)
+    print(f"\noutput to {out_dir}; source: {len(files)} shards, {size / gb:.2f} GB ({args.preset}); largest output tensor "
+          f"{largest / gb:.2f} GB; parts of {args.part_mb} MB, {args.inflight_mb} MB in flight; import+plan RSS {overhead['max_rss'] / gb:.2f} GB")
+    print("| source cache | raw read GB/s | raw copy GB/s | convert GB/s | convert / read | convert / copy "
+          "| convert s | peak RSS GB | largest + 1 GB |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for cache, r, cp, c, s, rss in rows:
+        print(f"| {cache} | {r / gb:.2f} | {cp / gb:.2f} | {c / gb:.2f} | {c / r:.0%} | {c / cp:.0%} | {s:.1f} "
+              f"| {rss / gb:.2f} | {(largest + 2**30) / gb:.2f} |")
     if not args.keep:
         shutil.rmtree(args.dir)
 

@@ -1,6 +1,7 @@
 """``k3jax convert``: released safetensors -> k3jax checkpoint, ``--export`` back, ``--synthetic``.
 
-    k3jax convert SRC OUT [--dequantize bf16] [--resume] [--verify] [--quiet] [--allow-unknown] [--part-mb N]
+    k3jax convert SRC OUT [--dequantize bf16] [--resume] [--verify] [--quiet] [--allow-unknown]
+                      [--part-mb N] [--inflight-mb N]
     k3jax convert --export CKPT OUT [--quiet]
     k3jax convert --synthetic PRESET OUT [--seed S] [--shard-mb N] [--lazy]
 
@@ -31,7 +32,9 @@ def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true", help="re-read the output and compare bit for bit")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--allow-unknown", action="store_true", help="skip (warn about) tensors without a k3jax parameter")
-    p.add_argument("--part-mb", type=int, default=256, help="orbax part size in MB (memory ~ 2 parts)")
+    p.add_argument("--part-mb", type=int, default=128, help="orbax part size in MB (the unit of --resume)")
+    p.add_argument("--inflight-mb", type=int, default=768,
+                   help="MB of parts being assembled or written at once (peak memory ~ max(this, largest tensor))")
     p.add_argument("--seed", type=int, default=0, help="--synthetic: random seed")
     p.add_argument("--shard-mb", type=int, default=None, help="--synthetic: shard size in MB (default: model/4)")
     p.add_argument("--lazy", action="store_true", help="--synthetic: stream random tensors (multi-GB checkpoints)")
@@ -55,7 +58,8 @@ def main(args: argparse.Namespace) -> int:
             write_synthetic(args.out, args.src, seed=args.seed, shard_bytes=shard, lazy=args.lazy, quiet=args.quiet)
         else:
             convert(args.src, args.out, dequantize=args.dequantize, resume=args.resume, verify=args.verify,
-                    quiet=args.quiet, allow_unknown=args.allow_unknown, part_bytes=args.part_mb << 20)
+                    quiet=args.quiet, allow_unknown=args.allow_unknown, part_bytes=args.part_mb << 20,
+                    inflight_bytes=args.inflight_mb << 20)
     except (CheckpointError, ConversionError, ConfigError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -3,11 +3,11 @@
 Everything is validated from the headers before a byte is written (missing, unknown, wrong shape
 or dtype tensors; config against tensors). Then parameters are assembled one at a time from
 memory-mapped reads (routed experts: one stacked tensor per layer and weight) and saved in parts
-of about ``part_bytes``; peak memory is about max(2 parts, largest single tensor) plus fixed
-overhead. Output goes to
+of about ``part_bytes``; peak memory is about max(``inflight_bytes``, largest single tensor) plus
+fixed overhead. Output goes to
 ``<out>.partial/`` and is renamed to ``<out>`` only when complete (and verified, if asked);
 ``resume=True`` continues an interrupted run, skipping finished parts. Reading the next part
-overlaps writing the previous one (one writer thread; at most 2 x ``part_bytes`` in flight).
+overlaps writing earlier ones (one writer thread; at most ``inflight_bytes`` in flight).
 """
 
 from __future__ import annotations
@@ -310,13 +310,15 @@ def _prepare(partial: Path, fingerprint: dict, resume: bool) -> None:
 
 def convert(
     source: str | Path, out: str | Path, *, dequantize: Dequantize = None, resume: bool = False,
-    verify: bool = False, quiet: bool = False, allow_unknown: bool = False, part_bytes: int = 256 << 20,
+    verify: bool = False, quiet: bool = False, allow_unknown: bool = False, part_bytes: int = 128 << 20,
+    inflight_bytes: int = 768 << 20,
 ) -> Path:
     """Convert the released checkpoint folder ``source`` into the k3jax checkpoint ``out``.
 
     ``dequantize="bf16"`` stores MXFP4 experts as bf16 [E, N, K]; ``resume`` continues from
     ``<out>.partial``; ``verify`` re-reads the output and compares it bit for bit before the final
-    rename. Returns ``out``. Raises ``CheckpointError`` (bad input, nothing written) or
+    rename. ``part_bytes`` sizes the orbax parts (the unit of resuming); ``inflight_bytes`` bounds
+    the parts being assembled or written at once (memory). Returns ``out``. Raises ``CheckpointError`` (bad input, nothing written) or
     ``ConversionError`` (write failed or interrupted; ``<out>.partial`` remains, ``out`` does not exist).
     """
     source, out = Path(source), Path(out)
@@ -329,7 +331,7 @@ def convert(
     parts = split_parts(pl.jobs, part_bytes, dequantize)
     _prepare(partial, _fingerprint(pl, parts, dequantize), resume)
     bar = Progress(sum(j.read_bytes for j in pl.jobs), f"convert {source.name}", quiet=quiet)
-    _write_parts(partial, parts, _iter_todo(partial, parts, bar), dequantize, bar, max(2 * part_bytes, 1))
+    _write_parts(partial, parts, _iter_todo(partial, parts, bar), dequantize, bar, inflight_bytes)
     bar.close()
     shutil.copyfile(source / "config.json", partial / "config.json")
     write_json(partial / MANIFEST, manifest(pl, parts, dequantize))

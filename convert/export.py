@@ -19,11 +19,10 @@ from flax import nnx
 from convert.names import (
     Param, Released, a_log_to_released, expert_row, nbytes, param_table, prefix_for, released_specs,
 )
-from convert.orbax_io import PARTS, read_manifest, read_part
+from convert.orbax_io import CheckpointParams
 from convert.progress import Progress
 from convert.safetensors_io import DTYPES, INDEX_FILE, CheckpointError, TensorInfo, write_safetensors
 from k3jax.config import from_hf_config
-from k3jax.mx import MXTensor
 
 Params = Mapping[str, Any]  # canonical path -> array [shape] or MXTensor
 
@@ -116,28 +115,16 @@ def export(
 
 
 def read_params(ckpt: str | Path) -> dict[str, Any]:
-    """All parameters of a k3jax checkpoint as numpy arrays / ``MXTensor`` of numpy arrays."""
-    ckpt = Path(ckpt)
-    man = read_manifest(ckpt)
-    params: dict[str, Any] = {}
-    for part in sorted({v["part"] for v in man["params"].values()}):
-        leaves = read_part(ckpt / PARTS / part)
-        for path, info in man["params"].items():
-            if info["part"] != part:
-                continue
-            if info["dtype"] == "MXFP4":
-                params[path] = MXTensor(leaves[path + ".codes"], leaves[path + ".scales"])
-            else:
-                params[path] = leaves[path]
-    return params
+    """All parameters of a k3jax checkpoint in memory: numpy arrays / ``MXTensor`` of numpy arrays."""
+    return dict(CheckpointParams(ckpt, cache_parts=1))
 
 
 def export_checkpoint(ckpt: str | Path, out: str | Path, *, quiet: bool = True) -> Path:
-    """A k3jax checkpoint folder -> released safetensors in its source's layout (bit-identical round trip)."""
-    ckpt = Path(ckpt)
-    man = read_manifest(ckpt)
-    text = (ckpt / "config.json").read_text()
-    return export(read_params(ckpt), json.loads(text), out, layout=man["source"], quiet=quiet, config_text=text)
+    """A k3jax checkpoint folder -> released safetensors in its source's layout (bit-identical round
+    trip). Streams: parameters are read part by part (``CheckpointParams``), never all at once."""
+    params = CheckpointParams(ckpt)
+    text = (Path(ckpt) / "config.json").read_text()
+    return export(params, json.loads(text), out, layout=params.manifest["source"], quiet=quiet, config_text=text)
 
 
 __all__ = ["default_layout", "export", "export_checkpoint", "model_params", "read_params"]

@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import json
 import os
+from collections import OrderedDict
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator
 
 import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint._src.serialization import type_handler_registry, type_handlers
 
 from convert.safetensors_io import CheckpointError
+from k3jax.mx import MXTensor
 
 MANIFEST = "k3jax_checkpoint.json"
 PARTS = "parts"
@@ -115,7 +118,44 @@ def is_k3jax_checkpoint(folder: Path) -> bool:
     return (Path(folder) / MANIFEST).is_file()
 
 
+class CheckpointParams(Mapping):
+    """A k3jax checkpoint's parameters, read lazily: canonical path -> numpy array, or ``MXTensor``
+    (codes uint8 [..., N, K//2], scales uint8 [..., N, K//32]) for MXFP4 experts. Parts are restored
+    on first use and the ``cache_parts`` most recent kept, so memory stays near that many parts
+    (export reads a layer's w1/w2/w3 stacks interleaved: keep at least 3). Iteration goes part by part."""
+
+    def __init__(self, folder: str | os.PathLike, cache_parts: int = 4):
+        self.folder = Path(folder)
+        self.manifest = read_manifest(self.folder)
+        self.params: dict[str, Any] = self.manifest["params"]
+        self.cache_parts = cache_parts
+        self._cache: OrderedDict[str, dict[str, np.ndarray]] = OrderedDict()
+
+    def _part(self, name: str) -> dict[str, np.ndarray]:
+        if name in self._cache:
+            self._cache.move_to_end(name)
+        else:
+            while len(self._cache) >= self.cache_parts:
+                self._cache.popitem(last=False)
+            self._cache[name] = read_part(self.folder / PARTS / name)
+        return self._cache[name]
+
+    def __getitem__(self, path: str) -> Any:
+        info = self.params[path]
+        leaves = self._part(info["part"])
+        if info["dtype"] == "MXFP4":
+            return MXTensor(leaves[path + ".codes"], leaves[path + ".scales"])
+        return leaves[path]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self.params, key=lambda p: self.params[p]["part"]))
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+
 __all__ = [
+    "CheckpointParams",
     "FORMAT",
     "MANIFEST",
     "PARTS",

@@ -47,22 +47,14 @@ def _config(path: Path, config: K3Config | Mapping[str, Any] | None) -> K3Config
 def iter_params(path: str | Path, cfg: K3Config) -> Iterator[tuple[str, Any]]:
     """Stream (canonical path, numpy array or ``MXTensor`` of numpy arrays) from either kind of folder."""
     from convert.convert import assemble, plan
-    from convert.orbax_io import PARTS, is_k3jax_checkpoint, read_manifest, read_part
+    from convert.orbax_io import CheckpointParams, is_k3jax_checkpoint
     from convert.safetensors_io import open_checkpoint
 
     path = Path(path)
     if is_k3jax_checkpoint(path):
-        man = read_manifest(path)
-        by_part: dict[str, list[str]] = {}
-        for name, info in man["params"].items():
-            by_part.setdefault(info["part"], []).append(name)
-        for part, names in sorted(by_part.items()):
-            leaves = read_part(path / PARTS / part)
-            for name in names:
-                if man["params"][name]["dtype"] == "MXFP4":
-                    yield name, MXTensor(leaves[name + ".codes"], leaves[name + ".scales"])
-                else:
-                    yield name, leaves[name]
+        params = CheckpointParams(path, cache_parts=1)
+        for name in params:
+            yield name, params[name]
         return
     for job in plan(open_checkpoint(path), cfg=cfg).jobs:
         leaves = assemble(job)
