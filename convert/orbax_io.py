@@ -13,6 +13,7 @@ what lets the converter stream (hold one part, never the model) and resume part 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -69,14 +70,29 @@ def _writer() -> ocp.Checkpointer:
     return ocp.Checkpointer(handler)
 
 
+class _QuietOrbax(logging.Filter):
+    """Drops orbax's per-save warnings that our writer settings trigger on purpose (numpy leaves
+    only, no OCDBT), which would otherwise print twice per part under the progress bar."""
+
+    _EXPECTED = ("No jax.Array in TypeHandlerRegistry", "Skipping merge of OCDBT checkpoints")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(m in record.getMessage() for m in self._EXPECTED)
+
+
 def write_part(directory: Path, leaves: Mapping[str, np.ndarray]) -> None:
     """Save ``leaves`` (dotted key -> array) as one orbax PyTree checkpoint; orbax writes to a
     temporary folder and renames it, so ``directory`` appears only complete."""
-    checkpointer = _writer()
+    quiet = _QuietOrbax()
+    logging.getLogger("absl").addFilter(quiet)
+    checkpointer = None
     try:
+        checkpointer = _writer()
         checkpointer.save(Path(directory).absolute(), args=ocp.args.PyTreeSave(_nest(leaves)))
     finally:
-        checkpointer.close()
+        if checkpointer is not None:
+            checkpointer.close()
+        logging.getLogger("absl").removeFilter(quiet)
 
 
 def read_part(directory: Path) -> dict[str, np.ndarray]:

@@ -35,7 +35,7 @@ class Progress:
         if skipped:
             self.skipped += nbytes
         now = time.perf_counter()
-        if now - self._last >= self.interval or self.done >= self.total:
+        if now - self._last >= self.interval:
             self._last = now
             self._draw(now)
 
