@@ -37,7 +37,8 @@ def copy_folder(src: Path, dst: Path) -> Path:
 
 
 def edit_tensors(folder: Path, edit: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]], shard: int = 0) -> None:
-    """Rewrite one shard with ``edit(name -> array)`` applied, and fix the index to match."""
+    """Rewrite one shard with ``edit(name -> array)`` applied, and rewrite the index to match
+    (shard by shard, as ``export`` writes it)."""
     src = open_checkpoint(folder)
     sh = src.shards[shard]
     tensors = edit({t.name: np.array(read_tensor(t)) for t in sh.tensors})
@@ -48,10 +49,10 @@ def edit_tensors(folder: Path, edit: Callable[[dict[str, np.ndarray]], dict[str,
     index = folder / INDEX_FILE
     if index.is_file():
         data = json.loads(index.read_text())
-        wm = {n: f for n, f in data["weight_map"].items() if f != sh.file}
-        wm.update({n: sh.file for n in tensors})
-        data["weight_map"] = wm
-        index.write_text(json.dumps(data))
+        names = {s.file: [t.name for t in s.tensors] for s in src.shards}
+        names[sh.file] = list(tensors)
+        data["weight_map"] = {n: f for f, ns in names.items() for n in ns}
+        index.write_text(json.dumps(data, indent=2))
 
 
 def same_bytes(a: np.ndarray, b: np.ndarray) -> bool:

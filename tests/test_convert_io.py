@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from convert import write_synthetic
+from convert import convert, export_checkpoint, read_params, write_synthetic
 from convert.names import a_log_to_canonical, a_log_to_released
 from convert.safetensors_io import CheckpointError, dtype_name, read_header, read_tensor, write_safetensors
-from convert.testing import k3_config
+from convert.testing import edit_tensors, k3_config, linear_config, same_bytes
 
 
 def _arrays(rng):
@@ -45,6 +45,28 @@ def test_safetensors_writer_read_by_ours(tmp_path):
     assert meta == {"format": "pt"} and {t.name for t in infos} == arrays.keys()
     for t in infos:
         assert np.array_equal(read_tensor(t), arrays[t.name]) and read_tensor(t).dtype == arrays[t.name].dtype
+
+
+def test_rewriting_a_safetensors_file_is_byte_identical(tmp_path):
+    path = tmp_path / "theirs.safetensors"
+    save_file(_arrays(np.random.default_rng(3)), path, metadata={"format": "pt"})
+    infos, meta = read_header(path)
+    again = tmp_path / "ours.safetensors"
+    write_safetensors(again, [(t.name, t.dtype, t.shape) for t in infos], {t.name: read_tensor(t) for t in infos}.get, meta)
+    assert again.read_bytes() == path.read_bytes()
+
+
+def test_dense_mlp_alias_block_sparse_moe(tmp_path):
+    folder = tmp_path / "released"
+    _, params = write_synthetic(folder, linear_config(), seed=6)
+    old = "model.layers.0.mlp."
+    edit_tensors(folder, lambda t: {n.replace(old, "model.layers.0.block_sparse_moe."): a for n, a in t.items()})
+    out = convert(folder, tmp_path / "k3jax", quiet=True)
+    got = read_params(out)
+    assert same_bytes(got["layers.0.mlp.down_proj.weight"], params["layers.0.mlp.down_proj.weight"])
+    back = export_checkpoint(out, tmp_path / "back")
+    for p in folder.iterdir():
+        assert (back / p.name).read_bytes() == p.read_bytes(), p.name
 
 
 def test_header_overlap_and_trailing_bytes(tmp_path):
