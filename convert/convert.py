@@ -301,8 +301,9 @@ def _prepare(partial: Path, fingerprint: dict, resume: bool) -> None:
         if old != fingerprint:
             raise ConversionError(f"{partial}: made from a different source, options or code version; "
                                   f"delete it to start over")
-        for stale in (partial / PARTS).glob("*orbax-checkpoint-tmp*"):
-            shutil.rmtree(stale)
+        for stale in (partial / PARTS).iterdir():
+            if not part_is_complete(stale):
+                shutil.rmtree(stale)
         return
     (partial / PARTS).mkdir(parents=True)
     write_json(plan_file, fingerprint)
@@ -318,8 +319,9 @@ def convert(
     ``dequantize="bf16"`` stores MXFP4 experts as bf16 [E, N, K]; ``resume`` continues from
     ``<out>.partial``; ``verify`` re-reads the output and compares it bit for bit before the final
     rename. ``part_bytes`` sizes the orbax parts (the unit of resuming); ``inflight_bytes`` bounds
-    the parts being assembled or written at once (memory). Returns ``out``. Raises ``CheckpointError`` (bad input, nothing written) or
-    ``ConversionError`` (write failed or interrupted; ``<out>.partial`` remains, ``out`` does not exist).
+    the parts being assembled or written at once (memory). Returns ``out``. Raises
+    ``CheckpointError`` (bad input, nothing written) or ``ConversionError`` (write failed or
+    interrupted; ``<out>.partial`` remains, ``out`` does not exist).
     """
     source, out = Path(source), Path(out)
     if dequantize not in (None, "bf16"):
@@ -337,8 +339,8 @@ def convert(
     write_json(partial / MANIFEST, manifest(pl, parts, dequantize))
     if verify:
         verify_parts(partial, parts, dequantize, quiet=quiet)
-    (partial / PLAN_FILE).unlink()
     partial.rename(out)
+    (out / PLAN_FILE).unlink()
     if not quiet and pl.skipped:
         print(f"note: skipped {len(pl.skipped)} tensor(s) outside the text model (vision tower, projector)",
               file=sys.stderr)

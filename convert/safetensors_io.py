@@ -96,12 +96,11 @@ def read_header(path: str | os.PathLike) -> tuple[list[TensorInfo], dict[str, st
     meta = header.pop("__metadata__", None) or {}
     base = 8 + n
     infos = [_entry(path, name, spec, base) for name, spec in header.items()]
-    data_end = 0
-    for a, b in zip(sorted(infos, key=lambda t: t.start), sorted(infos, key=lambda t: t.start)[1:]):
+    by_start = sorted(infos, key=lambda t: t.start)
+    for a, b in zip(by_start, by_start[1:]):
         if b.start < a.end:
             raise CheckpointError(f"{path}: corrupt header: tensors {a.name!r} and {b.name!r} overlap")
-    if infos:
-        data_end = max(t.end for t in infos)
+    data_end = max((t.end for t in infos), default=base)
     if data_end > size:
         raise CheckpointError(
             f"{path}: truncated: the header says the data ends at byte {data_end} but the file has {size} bytes"
