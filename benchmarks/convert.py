@@ -67,13 +67,13 @@ print(json.dumps({"seconds": time.perf_counter() - t, "bytes": n}))
 _CONVERT = """
 import json, resource, sys, time, warnings
 warnings.simplefilter("ignore")
-from convert.convert import convert, plan
+from convert.conversion import convert, plan
 from convert.safetensors_io import open_checkpoint
 src, out, part, inflight, only_plan = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
 t = time.perf_counter()
 largest = 0
 if only_plan:
-    from convert.convert import out_bytes
+    from convert.conversion import out_bytes
     largest = max(out_bytes(j, None) for j in plan(open_checkpoint(src)).jobs)
 else:
     convert(src, out, quiet=True, part_bytes=part, inflight_bytes=inflight)

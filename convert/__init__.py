@@ -6,7 +6,7 @@
 - ``k3jax.checkpoint.load(path)``: either kind of folder -> a ready ``K3Model``.
 """
 
-from convert.convert import ConversionError, convert
+from convert.conversion import ConversionError, convert
 from convert.export import export, export_checkpoint, model_params, read_params
 from convert.safetensors_io import CheckpointError
 from convert.synthetic import RandomParams, synthetic_params, write_synthetic

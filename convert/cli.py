@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from convert.convert import ConversionError, convert
+from convert.conversion import ConversionError, convert
 from convert.export import export_checkpoint
 from convert.safetensors_io import CheckpointError
 from convert.synthetic import write_synthetic

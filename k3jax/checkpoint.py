@@ -46,7 +46,7 @@ def _config(path: Path, config: K3Config | Mapping[str, Any] | None) -> K3Config
 
 def iter_params(path: str | Path, cfg: K3Config) -> Iterator[tuple[str, Any]]:
     """Stream (canonical path, numpy array or ``MXTensor`` of numpy arrays) from either kind of folder."""
-    from convert.convert import assemble, plan
+    from convert.conversion import assemble, plan
     from convert.orbax_io import CheckpointParams, is_k3jax_checkpoint
     from convert.safetensors_io import open_checkpoint
 

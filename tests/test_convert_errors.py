@@ -18,7 +18,7 @@ from convert.orbax_io import MANIFEST, PARTS
 from convert.safetensors_io import INDEX_FILE, open_checkpoint
 from convert.testing import copy_folder, edit_tensors, k3_config, linear_config, same_bytes
 
-conv = importlib.import_module("convert.convert")  # the package re-exports the function under this name
+conv = importlib.import_module("convert.conversion")
 PART = 16 << 10  # small parts: many of them, so interruptions land midway
 
 
@@ -184,7 +184,7 @@ def test_resume_after_kill(linear_src, reference, tmp_path):
     out = tmp_path / "out"
     script = textwrap.dedent(f"""
         import importlib, os
-        conv = importlib.import_module("convert.convert")
+        conv = importlib.import_module("convert.conversion")
         real, calls = conv.write_part, []
         def write(d, leaves):
             calls.append(d)

@@ -73,9 +73,9 @@ class KDA(nnx.Module):
 
     def initial_state(self, batch: int) -> KDAState:
         width = self.num_heads * self.head_dim
-        conv = jnp.zeros((batch, self.q_conv1d.weight.shape[-1] - 1, width), jnp.float32)
+        conv = lambda: jnp.zeros((batch, self.q_conv1d.weight.shape[-1] - 1, width), jnp.float32)
         rec = jnp.zeros((batch, self.num_heads, self.head_dim, self.head_dim), jnp.float32)
-        return KDAState(conv, conv, conv, rec)
+        return KDAState(conv(), conv(), conv(), rec)  # distinct buffers: the decode step donates them
 
     def __call__(
         self, x: Array, state: KDAState | None = None, valid: Array | None = None

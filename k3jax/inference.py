@@ -1,0 +1,148 @@
+"""Jitted generation: chunked prefill into the cache, then one compiled decode step per token.
+
+The cache per sequence: for KDA layers the float32 state [H, K, V] and the short-conv inputs (the
+last 3 per channel); for MLA layers only c_kv (after kv_a_layernorm) and k_pe per position, 576
+values for K3, preallocated to ``max_len``. Block AttnRes needs no cache across tokens: it mixes
+over depth, per token, so every decode step rebuilds its blocks from the new token alone.
+
+    gen = Generator(model, max_len=512)
+    out = gen.generate([[1, 2, 3], [4, 5]], max_new_tokens=16, sampling=Sampling(temperature=0.7), seed=0)
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from k3jax.model import K3Model
+from k3jax.sampling import Sampling, sample
+from k3jax.typing import Array
+
+
+@dataclass(frozen=True)
+class Generation:
+    """New tokens per sequence (EOS included when it stopped on it), with timings."""
+
+    tokens: list[list[int]]
+    prefill_seconds: float
+    decode_seconds: float
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens from decode steps (all but each sequence's first) per second of decoding."""
+        decoded = sum(len(t) - 1 for t in self.tokens)
+        return decoded / self.decode_seconds if self.decode_seconds > 0 else float("nan")
+
+
+class Generator:
+    """Holds the split model, the compiled prefill chunk and decode step, and runs batches.
+
+    max_len bounds prompt plus new tokens per sequence (the MLA cache is preallocated to it);
+    prefill_chunk bounds the tokens processed per prefill call (memory stays bounded for long
+    prompts); cache_dtype is the MLA latent cache's dtype (default: the parameters' dtype).
+    """
+
+    def __init__(self, model: K3Model, max_len: int = 2048, prefill_chunk: int = 256, cache_dtype=None):
+        if max_len < 2:
+            raise ValueError(f"max_len: must be at least 2, got {max_len}")
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk: must be positive, got {prefill_chunk}")
+        self.cfg = model.cfg
+        self.max_len, self.prefill_chunk = max_len, prefill_chunk
+        self.cache_dtype = cache_dtype or model.embed_tokens.weight.dtype
+        self.graph, self.params = nnx.split(model)
+        self._model = model
+        self._extend = jax.jit(self._extend_fn, donate_argnums=2)
+        self._decode = jax.jit(self._decode_fn, donate_argnums=2)
+
+    def _extend_fn(self, params, tokens, cache, start, lengths):
+        return nnx.merge(self.graph, params).extend(tokens, cache, start, lengths)
+
+    def _decode_fn(self, params, tokens, cache, positions, key, temperature, top_k, top_p):
+        """One token per sequence at ``positions`` -> (next tokens [B], logits [B, V], cache)."""
+        logits, cache = self._extend_fn(params, tokens[:, None], cache, positions, positions + 1)
+        return sample(logits[:, 0], key, temperature, top_k, top_p), logits[:, 0], cache
+
+    def init_cache(self, batch: int) -> list:
+        return self._model.init_cache(batch, self.max_len, self.cache_dtype)
+
+    def _check(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+        if not prompts:
+            raise ValueError("prompts: empty batch; give at least one prompt")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: must be at least 1, got {max_new_tokens}")
+        vocab = self.cfg.vocab_size
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompts[{i}]: empty prompt; give at least one token")
+            bad = [t for t in p if not 0 <= int(t) < vocab]
+            if bad:
+                raise ValueError(f"prompts[{i}]: token id {bad[0]} outside the vocabulary [0, {vocab})")
+            if len(p) + max_new_tokens > self.max_len:
+                raise ValueError(
+                    f"prompts[{i}]: {len(p)} prompt tokens + max_new_tokens {max_new_tokens} exceed the cache "
+                    f"(max_len {self.max_len}); raise max_len or shorten the request"
+                )
+
+    def prefill(self, prompts: Sequence[Sequence[int]], cache: list) -> tuple[Array, list]:
+        """Run right-padded prompts through the model in chunks. Returns (last-token logits [B, V], cache)."""
+        lengths = np.array([len(p) for p in prompts], np.int32)
+        chunk = min(self.prefill_chunk, -(-int(lengths.max()) // 16) * 16)
+        total = -(-int(lengths.max()) // chunk) * chunk
+        tokens = np.zeros((len(prompts), total), np.int32)
+        for i, p in enumerate(prompts):
+            tokens[i, : len(p)] = p
+        last = jnp.zeros((len(prompts), self.cfg.vocab_size), jnp.float32)
+        lengths_dev = jnp.asarray(lengths)
+        for start in range(0, total, chunk):
+            starts = jnp.full((len(prompts),), start, jnp.int32)
+            logits, cache = self._extend(self.params, jnp.asarray(tokens[:, start : start + chunk]), cache,
+                                         starts, lengths_dev)
+            index = np.clip(lengths - 1 - start, 0, chunk - 1)
+            here = (lengths - 1 >= start) & (lengths - 1 < start + chunk)
+            last = jnp.where(jnp.asarray(here)[:, None], logits[np.arange(len(prompts)), index], last)
+        return last, cache
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int, sampling: Sampling = Sampling(),
+        seed: int = 0, eos_id: int | None = None, on_token: Callable[[np.ndarray, np.ndarray], None] | None = None,
+    ) -> Generation:
+        """Generate up to max_new_tokens per prompt; a sequence stops at ``eos_id`` (kept in its output).
+        ``on_token(tokens [B], active [B])`` sees each step's tokens as they come (streaming)."""
+        self._check(prompts, max_new_tokens)
+        B = len(prompts)
+        settings = (jnp.float32(sampling.temperature), jnp.int32(sampling.top_k), jnp.float32(sampling.top_p))
+        key = jax.random.key(seed)
+        t0 = time.perf_counter()
+        logits, cache = self.prefill(prompts, self.init_cache(B))
+        token = sample(logits, jax.random.fold_in(key, 0), *settings)
+        token_host = np.asarray(token)
+        t1 = time.perf_counter()
+        out = [[int(t)] for t in token_host]
+        active = np.array([eos_id is None or t != eos_id for t in token_host]) & (max_new_tokens > 1)
+        if on_token:
+            on_token(token_host, np.ones(B, bool))
+        positions = np.array([len(p) for p in prompts], np.int32)
+        for step in range(1, max_new_tokens):
+            if not active.any():
+                break
+            token, _, cache = self._decode(self.params, token, cache, jnp.asarray(positions),
+                                           jax.random.fold_in(key, step), *settings)
+            token_host = np.asarray(token)
+            if on_token:
+                on_token(token_host, active.copy())
+            for b in np.flatnonzero(active):
+                out[b].append(int(token_host[b]))
+                if (eos_id is not None and token_host[b] == eos_id) or len(out[b]) == max_new_tokens:
+                    active[b] = False
+            positions = positions + active
+        return Generation(out, t1 - t0, time.perf_counter() - t1)
+
+
+__all__ = ["Generator", "Generation"]
