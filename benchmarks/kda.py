@@ -1,6 +1,6 @@
 """Chunked KDA on the H200: the Pallas kernels against flash-linear-attention's Triton ``chunk_kda``.
 
-Run on the GPU machine (fla-core carried as a wheel, see benchmarks/RESULTS_kda.md):
+Run on the GPU machine (fla-core carried as a wheel, see benchmarks/RESULTS.md):
     python3 benchmarks/kda.py [--quick]
 Checks the kernels against the float32 reference on the GPU first (and against fla), then times
 prefill at H=96, K=V=128, bf16 inputs for B1 T8192, B1 T32768, B8 T4096, and the decode step at
@@ -30,7 +30,7 @@ from pallas_kernels.kda.kernel import intra_chunk
 H, K, V, LOWER = 96, 128, 128, -5.0
 SHAPES = [(1, 8192), (1, 32768), (8, 4096)]
 FLA_PREVIOUS_MS = {(1, 8192): 2.61, (1, 32768): 10.4, (8, 4096): 9.9}
-VARIANTS = {  # 64-token chunks measured 2.6x slower than 32 on 2026-11-30 (see RESULTS_kda.md)
+VARIANTS = {  # 64-token chunks measured 2.6x slower than 32 on 2026-11-30 (see benchmarks/RESULTS.md)
     "c32_v64": KDABlocks(chunk=32, block_v=64),
     "c16_v64": KDABlocks(chunk=16, block_v=64),
     "c32_v32": KDABlocks(chunk=32, block_v=32),

@@ -26,14 +26,19 @@ class KDAState(NamedTuple):
     recurrent: Array
 
 
-def _kda_core(q, k, v, g, beta, state):
-    """Chunked form for prompts, the one-step recurrence for T = 1; Pallas when the switch says so."""
+def _kda_core(q, k, v, g, beta, state, bounded: bool):
+    """Chunked form for prompts, the one-step recurrence for T = 1; Pallas when the switch says so
+    (the chunked kernel needs the bounded gate; an unbounded one runs the reference)."""
+    pallas = get_implementation() == "pallas"
+    if pallas:
+        from pallas_kernels import kda as kernels
     if q.shape[1] == 1:
+        if pallas:
+            o, state = kernels.step_kda(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state)
+            return o[:, None], state
         return F.recurrent_kda(q, k, v, g, beta, state)
-    if get_implementation() == "pallas":
-        from pallas_kernels.kda import ops
-
-        return ops.chunk_kda(q, k, v, g, beta, state)
+    if pallas:
+        return kernels.chunk_kda(q, k, v, g, beta, state, safe_gate=bounded)
     return F.chunk_kda(q, k, v, g, beta, state)
 
 
@@ -102,7 +107,7 @@ class KDA(nnx.Module):
         if valid is not None:  # padding neither decays nor writes the state
             g = jnp.where(valid[:, :, None, None], g, 0.0)
             beta = jnp.where(valid[:, :, None], beta, 0.0)
-        o, rec = _kda_core(q, k, v, g, beta, state.recurrent)
+        o, rec = _kda_core(q, k, v, g, beta, state.recurrent, bounded=self.lower_bound is not None)
         gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
         o = gated_rms_norm(o, heads(gate), self.o_norm.weight[...], self.eps).astype(x.dtype)
         return self.o_proj(o.reshape(B, T, H * K)), KDAState(cq, ck, cv, rec)

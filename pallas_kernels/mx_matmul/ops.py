@@ -26,7 +26,7 @@ _MIN_TILE = 16  # smallest M and N tile of a GPU matrix instruction
 
 
 def default_blocks(m: int, grouped: bool = False) -> MXBlocks:
-    """Tile sizes by the number of rows M: the best of the H200 sweep in benchmarks/RESULTS_mx.md
+    """Tile sizes by the number of rows M: the best of the H200 sweep in benchmarks/RESULTS.md
     for decode-sized M (weight streaming) and for M >= 4096 (compute); the middle is unmeasured."""
     if m <= 16 or (grouped and m <= 4096):
         return MXBlocks(bm=16, bn=64, bk=256, num_warps=4, num_stages=3)

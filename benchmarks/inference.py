@@ -1,0 +1,111 @@
+"""Decode-step time of the `mini` preset against its memory floor, and 8K-token prefill throughput
+against the GPU's measured bf16 matmul rate. Ceilings are measured in the same run.
+
+    python3 benchmarks/inference.py [--impl pallas] [--batches 1,8,64]
+
+Floor per decode step = (bytes of weights touched + cache bytes read and written) / copy bandwidth,
+where the weights touched are every non-expert weight (bf16), one embedding row, and the distinct
+routed experts the batch selects (expected count under uniform routing) in MXFP4.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from k3jax import Generator, K3Model, preset, use_implementation
+from k3jax.memory import MXFP4_BYTES
+from k3jax.param_count import count_params
+
+
+def median_time(fn, reps: int = 10) -> float:
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def ceilings() -> tuple[float, float]:
+    x = jax.random.normal(jax.random.key(0), (1 << (29 if jax.default_backend() == "gpu" else 24),))  # 2 GiB on GPU
+    copy = jax.jit(lambda x: x * 1.0001)
+    bw = 2 * x.nbytes / median_time(lambda: copy(x))
+    n = 8192 if jax.default_backend() == "gpu" else 512
+    a = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(2), (n, n), jnp.bfloat16)
+    mm = jax.jit(lambda a, b: a @ b)
+    rate = 2 * n**3 / median_time(lambda: mm(a, b))
+    return bw, rate
+
+
+def decode_floor_bytes(cfg, counts, batch: int, context: int) -> float:
+    E, k = cfg.moe.num_experts, cfg.moe.experts_per_token
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    per_expert = counts.routed_experts / (E * moe_layers)
+    distinct = E * (1 - (1 - k / E) ** batch)
+    weights = (counts.total - counts.routed_experts - counts.embedding) * 2 + moe_layers * distinct * per_expert * MXFP4_BYTES
+    kd = cfg.kda
+    kda = cfg.layer_types.count("kda") * batch * kd.num_heads * kd.head_dim**2 * 4 * 2
+    mla = cfg.layer_types.count("mla") * batch * context * (cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim) * 2
+    return weights + kda + mla
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--impl", default="pallas", choices=["pallas", "reference"])
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--prefill", type=int, default=8192)
+    ap.add_argument("--preset", default="mini")
+    args = ap.parse_args()
+    bw, rate = ceilings()
+    print(f"device {jax.devices()[0].device_kind}: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TF/s")
+    cfg = preset(args.preset)
+    counts = count_params(cfg)
+    model = K3Model(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16)
+    rows = []
+    with use_implementation(args.impl):
+        for batch in [int(b) for b in args.batches.split(",")]:
+            gen = Generator(model, max_len=args.prompt + 64, prefill_chunk=args.prompt)
+            prompts = np.random.default_rng(batch).integers(0, cfg.vocab_size, (batch, args.prompt)).tolist()
+            _, cache = gen.prefill(prompts, gen.init_cache(batch))
+            token = jnp.zeros((batch,), jnp.int32)
+            pos = jnp.full((batch,), args.prompt, jnp.int32)
+            greedy = (jnp.float32(0), jnp.int32(0), jnp.float32(1))
+            token, _, cache = gen._decode(gen.params, token, cache, pos, jax.random.key(0), *greedy)
+            jax.block_until_ready(token)
+            steps = 20
+            t = time.perf_counter()
+            for _ in range(steps):
+                token, _, cache = gen._decode(gen.params, token, cache, pos, jax.random.key(0), *greedy)
+            jax.block_until_ready(token)
+            step = (time.perf_counter() - t) / steps
+            floor = decode_floor_bytes(cfg, counts, batch, args.prompt + 1) / bw
+            rows.append((f"decode B={batch}", f"{step * 1e3:.2f} ms", f"floor {floor * 1e3:.2f} ms",
+                         f"{step / floor:.1f}x floor", f"{batch / step:,.0f} tok/s"))
+        T = args.prefill
+        gen = Generator(model, max_len=T + 16, prefill_chunk=2048)
+        prompt = [np.random.default_rng(0).integers(0, cfg.vocab_size, T).tolist()]
+        jax.block_until_ready(gen.prefill(prompt, gen.init_cache(1))[0])
+        t = time.perf_counter()
+        jax.block_until_ready(gen.prefill(prompt, gen.init_cache(1))[0])
+        seconds = time.perf_counter() - t
+        mla = cfg.mla
+        flops = 2 * counts.active * T + cfg.layer_types.count("mla") * 2 * T * T * mla.num_heads * (
+            mla.qk_head_dim + mla.v_head_dim)
+        rows.append((f"prefill T={T}", f"{seconds * 1e3:.0f} ms", f"{T / seconds:,.0f} tok/s",
+                     f"{flops / seconds / 1e12:.0f} TF/s", f"{flops / seconds / rate:.1%} of matmul"))
+    print(f"\n{cfg.name} ({counts.total / 1e9:.2f}B params, {counts.active / 1e9:.2f}B active), impl={args.impl}")
+    for r in rows:
+        print(" | ".join(f"{c:>18}" for c in r))
+
+
+if __name__ == "__main__":
+    main()
