@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 
 from convert.cli import add_parser as add_convert_parser
+from convert.safetensors_io import CheckpointError
+from k3jax.config import ConfigError
 from k3jax.presets import PRESETS, preset
 
 
@@ -28,10 +30,10 @@ def _model(args):
 
     if args.model is None:
         return K3Model(preset(args.preset), rngs=nnx.Rngs(args.seed)), None
-    path = Path(args.model)
-    if not (path / "config.json").is_file():
-        raise SystemExit(f"error: --model {path}: not a checkpoint folder (no config.json there)")
-    return load(path), path
+    try:
+        return load(args.model), Path(args.model)
+    except (CheckpointError, ConfigError) as err:
+        raise SystemExit(f"error: --model {args.model}: {err}")
 
 
 def _generate(args) -> int:
