@@ -45,16 +45,21 @@ class Generator:
 
     max_len bounds prompt plus new tokens per sequence (the MLA cache is preallocated to it);
     prefill_chunk bounds the tokens processed per prefill call (memory stays bounded for long
-    prompts); cache_dtype is the MLA latent cache's dtype (default: the parameters' dtype).
+    prompts); cache_dtype is the MLA latent cache's dtype (default: the parameters' dtype);
+    scan_layers=True compiles repeated layer groups once under ``lax.scan`` but stacks their weights
+    on every call, so the default unrolls the layers: a longer compile, no weight copies per token.
     """
 
-    def __init__(self, model: K3Model, max_len: int = 2048, prefill_chunk: int = 256, cache_dtype=None):
+    def __init__(
+        self, model: K3Model, max_len: int = 2048, prefill_chunk: int = 256, cache_dtype=None,
+        scan_layers: bool = False,
+    ):
         if max_len < 2:
             raise ValueError(f"max_len: must be at least 2, got {max_len}")
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk: must be positive, got {prefill_chunk}")
         self.cfg = model.cfg
-        self.max_len, self.prefill_chunk = max_len, prefill_chunk
+        self.max_len, self.prefill_chunk, self.scan_layers = max_len, prefill_chunk, scan_layers
         self.cache_dtype = cache_dtype or model.embed_tokens.weight.dtype
         self.graph, self.params = nnx.split(model)
         self._model = model
@@ -62,7 +67,7 @@ class Generator:
         self._decode = jax.jit(self._decode_fn, donate_argnums=2)
 
     def _extend_fn(self, params, tokens, cache, start, lengths):
-        return nnx.merge(self.graph, params).extend(tokens, cache, start, lengths)
+        return nnx.merge(self.graph, params).extend(tokens, cache, start, lengths, self.scan_layers)
 
     def _decode_fn(self, params, tokens, cache, positions, key, temperature, top_k, top_p):
         """One token per sequence at ``positions`` -> (next tokens [B], logits [B, V], cache)."""
@@ -70,7 +75,7 @@ class Generator:
         return sample(logits[:, 0], key, temperature, top_k, top_p), logits[:, 0], cache
 
     def init_cache(self, batch: int) -> list:
-        return self._model.init_cache(batch, self.max_len, self.cache_dtype)
+        return self._model.init_cache(batch, self.max_len, self.cache_dtype, self.scan_layers)
 
     def _check(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
         if not prompts:

@@ -110,11 +110,13 @@ class Positions(NamedTuple):
     valid: Array
 
 
-def layer_groups(cfg: K3Config) -> list[tuple[int, int, int]]:
+def layer_groups(cfg: K3Config, scan: bool = True) -> list[tuple[int, int, int]]:
     """Split the stack into (first layer, layers per group, repeats): consecutive identical groups of
     ``cfg.scan_period`` layers are one scanned run; the rest (layer 0's dense group, a short tail)
-    run once. K3: [(0, 4, 1), (4, 4, 22), (92, 1, 1)]."""
+    run once. K3: [(0, 4, 1), (4, 4, 22), (92, 1, 1)]. ``scan=False`` unrolls: [(0, L, 1)]."""
     P, L = cfg.scan_period, cfg.num_layers
+    if not scan:
+        return [(0, L, 1)]
 
     def signature(start: int) -> tuple:
         end = min(start + P, L)
@@ -182,11 +184,11 @@ class K3Model(nnx.Module):
         carry, (ys, new_caches) = jax.lax.scan(body, carry, (firsts, stacks, caches))
         return carry, ys.reshape(repeats * size, *ys.shape[2:]), new_caches
 
-    def init_cache(self, batch: int, max_len: int, dtype=jnp.float32) -> list:
+    def init_cache(self, batch: int, max_len: int, dtype=jnp.float32, scan_layers: bool = True) -> list:
         """An empty inference cache: per layer group, per position in the group, stacked over the
         group's repeats (the layout the scan consumes). MLA latents are kept in ``dtype``."""
         cache = []
-        for start, size, repeats in layer_groups(self.cfg):
+        for start, size, repeats in layer_groups(self.cfg, scan_layers):
             entries = []
             for p in range(size):
                 per_layer = [self.layers[start + r * size + p].init_cache(batch, max_len, dtype) for r in range(repeats)]
@@ -194,7 +196,7 @@ class K3Model(nnx.Module):
             cache.append(entries)
         return cache
 
-    def _forward(self, tokens: Array, cache: list | None, ctx: Positions | None):
+    def _forward(self, tokens: Array, cache: list | None, ctx: Positions | None, scan_layers: bool = True):
         cfg = self.cfg
         x = self.embed_tokens(tokens)
         block = cfg.attn_res_block_size
@@ -206,7 +208,7 @@ class K3Model(nnx.Module):
             carry = x
             step = lambda layer, c, i, lc: layer.residual(c, lc, ctx)
         weights, new_cache = [], []
-        for g, run in enumerate(layer_groups(cfg)):
+        for g, run in enumerate(layer_groups(cfg, scan_layers)):
             caches = cache[g] if cache is not None else [None] * run[1]
             carry, ys, run_cache = self._run(*run, carry, step, caches)
             weights.append(ys)
@@ -221,21 +223,27 @@ class K3Model(nnx.Module):
         mix = MixWeights(jnp.concatenate(weights), out_weights) if block else None
         return logits, mix, new_cache
 
-    def __call__(self, tokens: Array, return_mix_weights: bool = False):
-        """Full causal forward of tokens [B, T] (no cache): logits [B, T, V] float32."""
-        logits, mix, _ = self._forward(tokens, None, None)
+    def __call__(self, tokens: Array, return_mix_weights: bool = False, scan_layers: bool = True):
+        """Full causal forward of tokens [B, T] (no cache): logits [B, T, V] float32.
+
+        ``scan_layers`` runs repeated layer groups under ``lax.scan`` (compiles a few layer bodies;
+        stacks their weights on every call); False unrolls every layer (longer compile, no copies)."""
+        logits, mix, _ = self._forward(tokens, None, None, scan_layers)
         if not return_mix_weights:
             return logits
         if mix is None:
             raise ValueError("return_mix_weights: this model has no Block AttnRes (attn_res_block_size is unset)")
         return logits, mix
 
-    def extend(self, tokens: Array, cache: list, start: Array, lengths: Array) -> tuple[Array, list]:
+    def extend(
+        self, tokens: Array, cache: list, start: Array, lengths: Array, scan_layers: bool = True
+    ) -> tuple[Array, list]:
         """Continue cached sequences: tokens [B, T] at positions start[b] + t; a sequence's tokens at
         or beyond lengths[b] are right padding. Returns (logits [B, T, V] float32, the new cache).
-        Used for prefill chunks (T tokens) and decode steps (T = 1)."""
+        Used for prefill chunks (T tokens) and decode steps (T = 1); the cache must have been made
+        by ``init_cache`` with the same ``scan_layers``."""
         valid = start[:, None] + jnp.arange(tokens.shape[1]) < lengths[:, None]
-        logits, _, cache = self._forward(tokens, cache, Positions(start, valid))
+        logits, _, cache = self._forward(tokens, cache, Positions(start, valid), scan_layers)
         return logits, cache
 
 

@@ -9,6 +9,7 @@ from flax import nnx
 
 from k3jax.inference import Generator
 from k3jax.layers.mla import MLA
+from k3jax.model import layer_groups
 from k3jax.presets import preset
 from k3jax.sampling import Sampling
 from k3jax.sampling import sample as sample_tokens
@@ -32,7 +33,7 @@ def rel(a, b):
 def generators(small_model):
     return {
         "chunked": Generator(small_model.model, max_len=40, prefill_chunk=16),
-        "one_shot": Generator(small_model.model, max_len=40, prefill_chunk=64),
+        "one_shot": Generator(small_model.model, max_len=40, prefill_chunk=64, scan_layers=True),
     }
 
 
@@ -59,11 +60,22 @@ def test_decode_logits_equal_full_forward_at_every_position(small_model, generat
         assert rel(logits, full[rows, pos]) < tol, step
 
 
+def per_layer(cache, cfg, scan_layers):
+    """The cache as one entry per layer, whatever the grouping (scanned runs are stacked)."""
+    layers = []
+    for (start, size, repeats), entries in zip(layer_groups(cfg, scan_layers), cache):
+        for r in range(repeats):
+            layers += [e if repeats == 1 else jax.tree.map(lambda a: a[r], e) for e in entries]
+    return layers
+
+
 def test_chunked_prefill_equals_one_shot(small_model, generators):
+    """16-token chunks through unrolled layers against one chunk through scanned layer groups."""
     prompts = [list(r[:n]) for r, n in zip(sequences(small_model.cfg, seed=1), PROMPT_LENGTHS)]
     results = {}
     for name, gen in generators.items():
-        results[name] = gen.prefill(prompts, gen.init_cache(len(prompts)))
+        last, cache = gen.prefill(prompts, gen.init_cache(len(prompts)))
+        results[name] = last, per_layer(cache, small_model.cfg, gen.scan_layers)
     (a, cache_a), (b, cache_b) = results["chunked"], results["one_shot"]
     tol = TOLERANCE[small_model.cfg.name]
     assert rel(a, b) < tol
