@@ -3,6 +3,7 @@
     from k3jax import K3Model, preset, load, Generator, Sampling, use_implementation
 """
 
+from k3jax import sharding
 from k3jax.checkpoint import load
 from k3jax.config import ConfigError, K3Config, from_hf_config
 from k3jax.implementation import get_implementation, use_implementation
@@ -13,5 +14,5 @@ from k3jax.sampling import Sampling
 
 __all__ = [
     "ConfigError", "Generation", "Generator", "K3Config", "K3Model", "MixWeights", "Sampling", "from_hf_config",
-    "get_implementation", "load", "preset", "preset_hf_config", "use_implementation",
+    "get_implementation", "load", "preset", "preset_hf_config", "sharding", "use_implementation",
 ]

@@ -29,8 +29,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from k3jax.config import K3Config, from_hf_config
 from k3jax.model import K3Model
 from k3jax.mx import MXTensor
+from k3jax.sharding import EXPERT_AXIS
 
-EXPERT_AXIS = "expert"
 # Eagerly, every op of MX encode/decode compiles on its own (about a second a tensor shape).
 _decode = jax.jit(lambda mx, dtype: mx.decode(dtype), static_argnums=1)
 _quantize = jax.jit(MXTensor.quantize)
@@ -133,4 +133,4 @@ def load(
                        where=str(path))
 
 
-__all__ = ["EXPERT_AXIS", "coerce", "from_params", "iter_params", "load", "sharding_for"]
+__all__ = ["coerce", "from_params", "iter_params", "load", "sharding_for"]

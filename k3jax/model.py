@@ -35,7 +35,7 @@ from k3jax.typing import Array
 
 class MixWeights(NamedTuple):
     """Block AttnRes mixing weights (research output): per layer [L, 2 (attn, mlp), N+1, B, T] and
-    the final output mix [N+1, B, T]; index N+1-1 is the live partial sum; unused blocks weigh 0."""
+    the final output mix [N+1, B, T]; the last index, N, is the live partial sum; unused blocks weigh 0."""
 
     layers: Array
     output: Array

@@ -51,7 +51,7 @@ class TiktokenTokenizer:
 
         folder = Path(folder)
         ranks = {}
-        for n, line in enumerate((folder / "tiktoken.model").read_text().splitlines(), 1):
+        for line in (folder / "tiktoken.model").read_text().splitlines():
             if line.strip():
                 token, rank = line.split()
                 ranks[base64.b64decode(token)] = int(rank)

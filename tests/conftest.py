@@ -13,7 +13,6 @@ from k3jax.presets import preset
 @dataclass
 class Built:
     model: K3Model
-    graph: object
     params: object
     forward: object  # jitted (params, tokens) -> logits
 
@@ -44,7 +43,7 @@ def build(name: str) -> Built:
         randomize_zero_params(model)
         graph, params = nnx.split(model)
         forward = jax.jit(lambda p, t: nnx.merge(graph, p)(t))
-        _BUILT[name] = Built(model, graph, params, forward)
+        _BUILT[name] = Built(model, params, forward)
     return _BUILT[name]
 
 

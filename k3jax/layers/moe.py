@@ -18,6 +18,7 @@ from k3jax.implementation import get_implementation
 from k3jax.layers.basic import Linear, RMSNorm, Rngs, normal
 from k3jax.layers.mlp import DenseMLP
 from k3jax.mx import MXTensor
+from k3jax.sharding import expert_mesh, moe_expert_parallel
 from k3jax.typing import Array
 
 Dispatch = Literal["sorted", "dense"]
@@ -93,7 +94,10 @@ class MoE(nnx.Module):
         weights, experts = self.route(flat)
         z = self.routed_expert_down_proj(flat) if self.cfg.latent_size else flat
         w1, w3, w2 = (w.get_value() for w in (self.experts.w1, self.experts.w3, self.experts.w2))
-        if self.dispatch == "sorted":
+        mesh = expert_mesh()
+        if mesh is not None:
+            y = moe_expert_parallel(z, w1, w3, w2, weights, experts, self.act, _expert_matmul, mesh)
+        elif self.dispatch == "sorted":
             y = moe_sorted(z, w1, w3, w2, weights, experts, self.act, matmul=_expert_matmul)
         else:
             w1, w3, w2 = (_dense(w, z.dtype) for w in (w1, w3, w2))
