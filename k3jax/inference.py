@@ -27,17 +27,17 @@ from k3jax.typing import Array
 
 @dataclass(frozen=True)
 class Generation:
-    """New tokens per sequence (EOS included when it stopped on it), with timings."""
+    """New tokens per sequence (EOS included when it stopped on it), with timings: prefill (first
+    call compiles), and the decode steps after the first (which compiles the step)."""
 
     tokens: list[list[int]]
     prefill_seconds: float
     decode_seconds: float
+    decode_tokens: int
 
     @property
     def decode_tokens_per_second(self) -> float:
-        """Tokens from decode steps (all but each sequence's first) per second of decoding."""
-        decoded = sum(len(t) - 1 for t in self.tokens)
-        return decoded / self.decode_seconds if self.decode_seconds > 0 else float("nan")
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else float("nan")
 
 
 class Generator:
@@ -134,9 +134,13 @@ class Generator:
         if on_token:
             on_token(token_host, np.ones(B, bool))
         positions = np.array([len(p) for p in prompts], np.int32)
+        t2, timed = t1, 0
         for step in range(1, max_new_tokens):
             if not active.any():
                 break
+            if step == 2:  # steady state from here: the first decode step compiled
+                t2 = time.perf_counter()
+            timed += int(active.sum()) if step >= 2 else 0
             token, _, cache = self._decode(self.params, token, cache, jnp.asarray(positions),
                                            jax.random.fold_in(key, step), *settings)
             token_host = np.asarray(token)
@@ -147,7 +151,7 @@ class Generator:
                 if (eos_id is not None and token_host[b] == eos_id) or len(out[b]) == max_new_tokens:
                     active[b] = False
             positions = positions + active
-        return Generation(out, t1 - t0, time.perf_counter() - t1)
+        return Generation(out, t1 - t0, time.perf_counter() - t2 if timed else 0.0, timed)
 
 
 __all__ = ["Generator", "Generation"]
