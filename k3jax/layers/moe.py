@@ -32,6 +32,9 @@ class Router(nnx.Module):
         self.e_score_correction_bias = nnx.Param(jnp.zeros((num_experts,), jnp.float32))
 
 
+_quantize = jax.jit(MXTensor.quantize)  # compiled once per shape: eager quantization runs op by op
+
+
 class Experts(nnx.Module):
     """Stacked routed experts: w1 (gate), w3 (up) [E, F, R] and w2 (down) [E, R, F]; arrays, or
     ``MXTensor`` (MXFP4 codes + E8M0 scales, the released bytes) when ``packed``."""
@@ -39,7 +42,7 @@ class Experts(nnx.Module):
     def __init__(self, num: int, width: int, hidden: int, *, rngs: Rngs, param_dtype=jnp.float32, packed=False):
         def weight(shape, fan_in):
             w = normal(rngs, shape, fan_in**-0.5, param_dtype)
-            return nnx.Param(MXTensor.quantize(w) if packed else w)
+            return nnx.Param(_quantize(w) if packed else w)
 
         self.w1 = weight((num, hidden, width), width)
         self.w3 = weight((num, hidden, width), width)
