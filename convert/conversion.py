@@ -26,14 +26,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from convert.names import (
-    Param, Released, a_log_to_canonical, check_tensor, is_skipped, mx_decode_bf16, param_table, prefix_for,
+    Param, Released, a_log_to_canonical, check_tensor, is_skipped, param_table, prefix_for,
     released_specs,
 )
 from convert.orbax_io import FORMAT, MANIFEST, PARTS, VERSION, part_is_complete, part_name, read_part, write_json, write_part
 from convert.progress import Progress
 from convert.safetensors_io import CheckpointError, SourceCheckpoint, TensorInfo, open_checkpoint, read_tensor
 from k3jax.config import ConfigError, K3Config, from_hf_config
-from k3jax.mx import MXTensor, check_scales
+from k3jax.mx import MXTensor, check_scales, decode_compiled
 
 Dequantize = Literal["bf16"] | None
 PLAN_FILE = "plan.json"
@@ -162,7 +162,7 @@ def assemble(job: Job, dequantize: Dequantize = None) -> dict[str, np.ndarray]:
     if dequantize:
         out = np.empty(p.shape, np.dtype(jnp.bfloat16))
         for e, (c, s) in enumerate(zip(packed, scales)):
-            out[e] = np.asarray(mx_decode_bf16(MXTensor(jnp.asarray(read_tensor(c)), jnp.asarray(read_tensor(s)))))
+            out[e] = np.asarray(decode_compiled(MXTensor(jnp.asarray(read_tensor(c)), jnp.asarray(read_tensor(s))), jnp.bfloat16))
         return {p.path: out}
     codes = np.empty((len(packed), *packed[0].shape), np.uint8)
     scale = np.empty((len(scales), *scales[0].shape), np.uint8)

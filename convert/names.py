@@ -22,7 +22,6 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -30,15 +29,12 @@ from flax import nnx
 from convert.safetensors_io import DTYPES, CheckpointError, TensorInfo, dtype_name
 from k3jax.config import K3Config
 from k3jax.model import K3Model
-from k3jax.mx import BLOCK, MXTensor
+from k3jax.mx import BLOCK, MXTensor, decode_compiled, quantize_compiled
 
 Kind = Literal["copy", "a_log", "experts"]
 K3_PREFIX = "language_model."
 SKIPPED_PREFIXES = ("vision_tower.", "mm_projector.")
 A_LOG_PAD = 128
-# Jitted MX encode/decode: eagerly every op compiles on its own (about a second a tensor shape).
-mx_quantize = jax.jit(MXTensor.quantize)
-mx_decode_bf16 = jax.jit(lambda t: t.decode(jnp.bfloat16))
 
 # (canonical path regex, released name templates: first is written on export, the rest are accepted
 # aliases; {0}, {1}.. are the regex groups and {e} the expert index), transform.
@@ -188,10 +184,10 @@ def expert_row(value: Any, spec: Released) -> np.ndarray:
     ``spec.dtype`` if ``spec`` is a plain weight)."""
     e = spec.expert
     if spec.field == "weight":
-        row = mx_decode_bf16(MXTensor(value.codes[e], value.scales[e])) if isinstance(value, MXTensor) else value[e]
+        row = decode_compiled(MXTensor(value.codes[e], value.scales[e]), jnp.bfloat16) if isinstance(value, MXTensor) else value[e]
         return np.asarray(row).astype(np.dtype(jnp.bfloat16) if spec.dtype == "BF16" else np.float32)
     if not isinstance(value, MXTensor):
-        value = mx_quantize(jnp.asarray(value[e : e + 1]))
+        value = quantize_compiled(jnp.asarray(value[e : e + 1]))
         e = 0
     return np.asarray(value.codes[e] if spec.field == "weight_packed" else value.scales[e])
 
@@ -216,8 +212,6 @@ __all__ = [
     "check_tensor",
     "expert_row",
     "is_skipped",
-    "mx_decode_bf16",
-    "mx_quantize",
     "nbytes",
     "param_table",
     "prefix_for",

@@ -23,9 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from convert.export import export
-from convert.names import Param, mx_quantize, param_table
+from convert.names import Param, param_table
 from k3jax.config import from_hf_config
-from k3jax.mx import BLOCK, MXTensor
+from k3jax.mx import BLOCK, MXTensor, quantize_compiled
 from k3jax.presets import preset_hf_config
 
 _BF16 = np.dtype(jnp.bfloat16)
@@ -41,7 +41,7 @@ def synthetic_params(hf_config: Mapping[str, Any], seed: int = 0) -> dict[str, A
     for path, p in draw.table.items():
         value = draw[path]
         if cfg.mx_experts and p.kind == "experts":
-            q = mx_quantize(jnp.asarray(value, jnp.float32))
+            q = quantize_compiled(jnp.asarray(value, jnp.float32))
             value = MXTensor(np.asarray(q.codes), np.asarray(q.scales))
         out[path] = value
     return out

@@ -28,12 +28,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from k3jax.config import K3Config, from_hf_config
 from k3jax.model import K3Model
-from k3jax.mx import MXTensor
+from k3jax.mx import MXTensor, decode_compiled, quantize_compiled
 from k3jax.sharding import EXPERT_AXIS
 
-# Eagerly, every op of MX encode/decode compiles on its own (about a second a tensor shape).
-_decode = jax.jit(lambda mx, dtype: mx.decode(dtype), static_argnums=1)
-_quantize = jax.jit(MXTensor.quantize)
 
 
 def _config(path: Path, config: K3Config | Mapping[str, Any] | None) -> K3Config:
@@ -80,9 +77,9 @@ def coerce(target: Any, value: Any, path: str) -> Any:
         raise CheckpointError(f"{path}: checkpoint holds shape {tuple(value.shape)}; the model expects "
                               f"{tuple(target.shape)} (does config.json match the checkpoint?)")
     if isinstance(target, MXTensor):
-        return value if isinstance(value, MXTensor) else _quantize(jnp.asarray(value))
+        return value if isinstance(value, MXTensor) else quantize_compiled(jnp.asarray(value))
     if isinstance(value, MXTensor):
-        return _decode(MXTensor(jnp.asarray(value.codes), jnp.asarray(value.scales)), jnp.dtype(target.dtype))
+        return decode_compiled(MXTensor(jnp.asarray(value.codes), jnp.asarray(value.scales)), jnp.dtype(target.dtype))
     return np.asarray(value).astype(target.dtype, copy=False)
 
 

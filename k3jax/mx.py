@@ -249,8 +249,15 @@ class MXTensor:
 
 jax.tree_util.register_dataclass(MXTensor, data_fields=["codes", "scales"], meta_fields=["format"])
 
+# Compiled once per shape; called eagerly, the element-wise encode compiles op by op (about a second
+# a tensor shape), which dominates model initialization and conversion.
+quantize_compiled = jax.jit(MXTensor.quantize, static_argnums=1)
+decode_compiled = jax.jit(lambda t, dtype: t.decode(dtype), static_argnums=1)
+
 
 __all__ = [
+    "decode_compiled",
+    "quantize_compiled",
     "BLOCK",
     "FP4_MAX",
     "FP8_E4M3_MAX",

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Literal
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -17,7 +16,7 @@ from k3jax.functional.moe import Activation, grouped_matmul, moe_dense, moe_sort
 from k3jax.implementation import get_implementation
 from k3jax.layers.basic import Linear, RMSNorm, Rngs, normal
 from k3jax.layers.mlp import DenseMLP
-from k3jax.mx import MXTensor
+from k3jax.mx import MXTensor, quantize_compiled
 from k3jax.sharding import expert_mesh, moe_expert_parallel
 from k3jax.typing import Array
 
@@ -32,9 +31,6 @@ class Router(nnx.Module):
         self.e_score_correction_bias = nnx.Param(jnp.zeros((num_experts,), jnp.float32))
 
 
-_quantize = jax.jit(MXTensor.quantize)  # compiled once per shape: eager quantization runs op by op
-
-
 class Experts(nnx.Module):
     """Stacked routed experts: w1 (gate), w3 (up) [E, F, R] and w2 (down) [E, R, F]; arrays, or
     ``MXTensor`` (MXFP4 codes + E8M0 scales, the released bytes) when ``packed``."""
@@ -42,7 +38,7 @@ class Experts(nnx.Module):
     def __init__(self, num: int, width: int, hidden: int, *, rngs: Rngs, param_dtype=jnp.float32, packed=False):
         def weight(shape, fan_in):
             w = normal(rngs, shape, fan_in**-0.5, param_dtype)
-            return nnx.Param(_quantize(w) if packed else w)
+            return nnx.Param(quantize_compiled(w) if packed else w)
 
         self.w1 = weight((num, hidden, width), width)
         self.w3 = weight((num, hidden, width), width)

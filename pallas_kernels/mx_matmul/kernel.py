@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from k3jax.mx import BLOCK, e8m0_to_float, fp4_e2m1_to_float
+from k3jax.mx import BLOCK, e8m0_to_float
 from k3jax.typing import Array
 
 COMPUTE_DTYPE = jnp.bfloat16
