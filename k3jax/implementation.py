@@ -25,22 +25,30 @@ def get_implementation() -> Implementation:
     return _CURRENT.get()  # type: ignore[return-value]
 
 
-def set_implementation(name: Implementation) -> None:
-    """Set the implementation for this context (prefer ``use_implementation`` in code)."""
+def _checked(name: str) -> str:
     if name not in ("reference", "pallas"):
         raise ValueError(f"implementation: {name!r}; expected 'reference' or 'pallas'")
-    _CURRENT.set(name)
+    return name
+
+
+def set_implementation(name: Implementation) -> None:
+    """Set the implementation for this context (prefer ``use_implementation`` in code)."""
+    _CURRENT.set(_checked(name))
 
 
 @contextlib.contextmanager
-def use_implementation(name: Implementation) -> Iterator[None]:
-    if name not in ("reference", "pallas"):
-        raise ValueError(f"implementation: {name!r}; expected 'reference' or 'pallas'")
-    token = _CURRENT.set(name)
+def scoped(switch: contextvars.ContextVar, value) -> Iterator[None]:
+    """Hold a trace-time switch at ``value`` for the duration of a with-block."""
+    token = switch.set(value)
     try:
         yield
     finally:
-        _CURRENT.reset(token)
+        switch.reset(token)
+
+
+def use_implementation(name: Implementation) -> contextlib.AbstractContextManager:
+    """``with use_implementation("pallas"): ...`` traces the kernels' path inside the block."""
+    return scoped(_CURRENT, _checked(name))
 
 
 def pallas_interpret() -> bool:
@@ -48,4 +56,5 @@ def pallas_interpret() -> bool:
     return jax.default_backend() == "cpu"
 
 
-__all__ = ["Implementation", "get_implementation", "set_implementation", "use_implementation", "pallas_interpret"]
+__all__ = ["Implementation", "get_implementation", "set_implementation", "use_implementation", "pallas_interpret",
+           "scoped"]

@@ -14,29 +14,23 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Iterator
-
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from k3jax.functional.moe import Activation, moe_sorted
+from k3jax.implementation import scoped
 from k3jax.typing import Array
 
 EXPERT_AXIS = "expert"
 _MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("k3jax_expert_mesh", default=None)
 
 
-@contextlib.contextmanager
-def expert_parallel(mesh: Mesh, axis: str = EXPERT_AXIS) -> Iterator[None]:
+def expert_parallel(mesh: Mesh, axis: str = EXPERT_AXIS) -> contextlib.AbstractContextManager:
     """Run MoE layers traced inside this block with experts split over ``mesh`` axis ``axis``."""
     if axis not in mesh.axis_names:
         raise ValueError(f"mesh: no axis named {axis!r} (axes {mesh.axis_names})")
-    token = _MESH.set(mesh)
-    try:
-        yield
-    finally:
-        _MESH.reset(token)
+    return scoped(_MESH, mesh)
 
 
 def expert_mesh() -> Mesh | None:
