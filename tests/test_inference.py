@@ -13,6 +13,7 @@ from k3jax.model import layer_groups
 from k3jax.presets import preset
 from k3jax.sampling import Sampling
 from k3jax.sampling import sample as sample_tokens
+from reference_numpy import rel_err
 
 PROMPT_LENGTHS = [5, 19, 12]  # ragged, not multiples of 16; 19 spans two 16-token prefill chunks
 DECODE_STEPS = 5
@@ -23,10 +24,6 @@ DECODE_STEPS = 5
 # to 4e-4 (measured for tests/test_model_vs_numpy.py), so cached and uncached paths, which round
 # differently, agree only to that level; tiny_linear is far better conditioned.
 TOLERANCE = {"tiny": 2e-4, "tiny_linear": 1e-5}
-
-
-def rel(a, b):
-    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
 
 
 @pytest.fixture(scope="module")
@@ -51,13 +48,13 @@ def test_decode_logits_equal_full_forward_at_every_position(small_model, generat
     rows = np.arange(len(prompts))
     lengths = np.array(PROMPT_LENGTHS)
     tol = TOLERANCE[small_model.cfg.name]
-    assert rel(last, full[rows, lengths - 1]) < tol
+    assert rel_err(last, full[rows, lengths - 1]) < tol
     for step in range(DECODE_STEPS):
         pos = lengths + step
         greedy = (jnp.float32(0.0), jnp.int32(0), jnp.float32(1.0))
         _, logits, cache = gen._decode(gen.params, jnp.asarray(seqs[rows, pos]), cache, jnp.asarray(pos),
                                        jax.random.key(0), *greedy)
-        assert rel(logits, full[rows, pos]) < tol, step
+        assert rel_err(logits, full[rows, pos]) < tol, step
 
 
 def per_layer(cache, cfg, scan_layers):
@@ -78,7 +75,7 @@ def test_chunked_prefill_equals_one_shot(small_model, generators):
         results[name] = last, per_layer(cache, small_model.cfg, gen.scan_layers)
     (a, cache_a), (b, cache_b) = results["chunked"], results["one_shot"]
     tol = TOLERANCE[small_model.cfg.name]
-    assert rel(a, b) < tol
+    assert rel_err(a, b) < tol
     for x, y in zip(jax.tree.leaves(cache_a), jax.tree.leaves(cache_b)):
         # MLA cache positions past each prompt hold padding, which differs by chunking; compare the rest
         if x.ndim >= 3 and x.shape[-2] == 40:
@@ -95,12 +92,12 @@ def test_absorbed_mla_equals_expanded():
     expanded = mla(x)
     cache = mla.init_cache(2, 16)
     whole, _ = mla.extend(x, cache, jnp.zeros(2, jnp.int32))
-    assert rel(whole, expanded) < 1e-5
+    assert rel_err(whole, expanded) < 1e-5
     outs = []
     for t in range(11):
         o, cache = mla.extend(x[:, t : t + 1], cache, jnp.full((2,), t, jnp.int32))
         outs.append(o)
-    assert rel(jnp.concatenate(outs, axis=1), expanded) < 1e-5
+    assert rel_err(jnp.concatenate(outs, axis=1), expanded) < 1e-5
 
 
 def test_greedy_generation_matches_full_forward_argmax(small_model, generators):

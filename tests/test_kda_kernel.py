@@ -9,22 +9,17 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from k3jax.functional import kda as ref
 from pallas_kernels.kda import KDABlocks, chunk_kda, chunk_kda_fused, step_kda
 from pallas_kernels.kda import reference
+from reference_numpy import rel_err
 
 TOL = 5e-3
 BLOCKS = KDABlocks(chunk=16, block_v=16)  # one 16-token tile per chunk: the cheapest to interpret
 _chunk = jax.jit(functools.partial(chunk_kda, blocks=BLOCKS))  # one compile per input signature
 _recurrent = jax.jit(ref.recurrent_kda)
-
-
-def rel_err(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def inputs(seed, B=2, T=37, H=2, K=32, V=16, gate="random"):

@@ -13,15 +13,11 @@ from pallas_kernels.mx_matmul import (
     mx_matmul,
     mx_matmul_reference,
 )
+from reference_numpy import rel_err
 
 # Small tiles so that every kernel loops over several row, column and contracted tiles.
 SMALL = MXBlocks(bm=16, bn=32, bk=64)
 N, K = 96, 160  # K = 5 scale blocks: not a power of two, not a multiple of bk
-
-
-def rel_err(out, ref) -> float:
-    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
 
 
 def bf16_normal(key, shape):
