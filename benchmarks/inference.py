@@ -78,14 +78,14 @@ def main() -> None:
             _, cache = gen.prefill(prompts, gen.init_cache(batch))
             token = jnp.zeros((batch,), jnp.int32)
             pos = jnp.full((batch,), args.prompt, jnp.int32)
-            greedy = (jnp.float32(0), jnp.int32(0), jnp.float32(1))
-            token, _, cache = gen._decode(gen.params, token, cache, pos, jax.random.key(0), *greedy)
+            key = jax.random.key(0)
+            token, _, cache = gen.decode_step(token, cache, pos, key)
             jax.block_until_ready(token)
             steps, rounds = 20, []
             for _ in range(3):  # best of three rounds: the first batch size also meets a cold GPU
                 t = time.perf_counter()
                 for _ in range(steps):
-                    token, _, cache = gen._decode(gen.params, token, cache, pos, jax.random.key(0), *greedy)
+                    token, _, cache = gen.decode_step(token, cache, pos, key)
                 jax.block_until_ready(token)
                 rounds.append((time.perf_counter() - t) / steps)
             step = min(rounds)

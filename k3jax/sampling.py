@@ -1,4 +1,9 @@
-"""Next-token sampling: greedy, temperature, top-k, top-p, one compiled function for all settings."""
+"""Next-token sampling: greedy, temperature, top-k, top-p.
+
+The settings are static (``Sampling`` is hashable): each mode compiles only what it needs, so greedy
+decoding is one argmax and plain temperature sampling never sorts the vocabulary. A jitted caller
+compiles once per distinct ``Sampling``.
+"""
 
 from __future__ import annotations
 
@@ -26,20 +31,37 @@ class Sampling:
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
 
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
 
-def sample(logits: Array, key: Array, temperature: Array, top_k: Array, top_p: Array) -> Array:
-    """logits [B, V] -> tokens [B] int32. The settings are arrays, so changing them does not recompile."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    order = jnp.argsort(-logits, axis=-1)
-    ranked = jnp.take_along_axis(logits, order, axis=-1) / jnp.maximum(temperature, 1e-6)
-    rank = jnp.arange(logits.shape[-1])
-    keep = (top_k <= 0) | (rank < top_k)
+    @property
+    def filtered(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0
+
+
+def _kept(scaled: Array, top_k: int, top_p: float) -> Array:
+    """bool [B, V]: the tokens that survive top-k, then top-p (nucleus) on tempered logits [B, V]."""
+    order = jnp.argsort(-scaled, axis=-1)
+    ranked = jnp.take_along_axis(scaled, order, axis=-1)
+    rank = jnp.arange(scaled.shape[-1])
+    keep = (rank < top_k) if top_k > 0 else jnp.ones(ranked.shape, bool)
     probs = jax.nn.softmax(jnp.where(keep, ranked, -jnp.inf), axis=-1)
     before = jnp.cumsum(probs, axis=-1) - probs  # probability mass ranked strictly above each token
     keep = keep & (before < top_p)
-    choice = jax.random.categorical(key, jnp.where(keep, ranked, -jnp.inf), axis=-1)
-    sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
-    return jnp.where(temperature > 0, sampled, greedy)
+    rows = jnp.arange(scaled.shape[0])[:, None]
+    return jnp.zeros(keep.shape, bool).at[rows, order].set(keep)
+
+
+def sample(logits: Array, key: Array, sampling: Sampling) -> Array:
+    """logits [B, V] -> tokens [B] int32. Filters mask the vocabulary in place, so a filter that
+    keeps every token draws exactly what plain temperature sampling draws with the same key."""
+    if sampling.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    scaled = logits.astype(jnp.float32) / sampling.temperature
+    if sampling.filtered:
+        scaled = jnp.where(_kept(scaled, sampling.top_k, sampling.top_p), scaled, -jnp.inf)
+    return jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
 
 
 __all__ = ["Sampling", "sample"]

@@ -51,9 +51,7 @@ def test_decode_logits_equal_full_forward_at_every_position(small_model, generat
     assert rel_err(last, full[rows, lengths - 1]) < tol
     for step in range(DECODE_STEPS):
         pos = lengths + step
-        greedy = (jnp.float32(0.0), jnp.int32(0), jnp.float32(1.0))
-        _, logits, cache = gen._decode(gen.params, jnp.asarray(seqs[rows, pos]), cache, jnp.asarray(pos),
-                                       jax.random.key(0), *greedy)
+        _, logits, cache = gen.decode_step(jnp.asarray(seqs[rows, pos]), cache, jnp.asarray(pos), jax.random.key(0))
         assert rel_err(logits, full[rows, pos]) < tol, step
 
 
@@ -134,15 +132,24 @@ def test_sampling_is_reproducible_and_stops_per_sequence(small_model, generators
 def test_sample_filters():
     logits = jax.random.normal(jax.random.key(5), (4, 97)) * 3
     key = jax.random.key(6)
-    sample = jax.jit(sample_tokens)
+    sample = jax.jit(sample_tokens, static_argnames="sampling")
     greedy = jnp.argmax(logits, -1)
-    assert (sample(logits, key, 0.0, 0, 1.0) == greedy).all()
-    assert (sample(logits, key, 2.0, 1, 1.0) == greedy).all()  # top-k 1 is greedy at any temperature
-    assert (sample(logits, key, 2.0, 0, 1e-6) == greedy).all()  # top-p tiny keeps only the top token
+    assert (sample(logits, key, Sampling()) == greedy).all()
+    assert (sample(logits, key, Sampling(2.0, 1, 1.0)) == greedy).all()  # top-k 1 is greedy at any temperature
+    assert (sample(logits, key, Sampling(2.0, 0, 1e-6)) == greedy).all()  # top-p tiny keeps only the top token
     top5 = jnp.argsort(-logits, -1)[:, :5]
     for seed in range(20):
-        tok = sample(logits, jax.random.key(seed), 5.0, 5, 1.0)
-        assert bool((top5 == tok[:, None]).any(-1).all())
+        k = jax.random.key(seed)
+        assert bool((top5 == sample(logits, k, Sampling(5.0, 5))[:, None]).any(-1).all())
+        # a filter that keeps every token draws what plain temperature sampling draws
+        assert (sample(logits, k, Sampling(1.5, 97)) == sample(logits, k, Sampling(1.5))).all()
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    """Probabilities 0.5, 0.3, 0.15, 0.05: top-p 0.7 keeps the first two (mass above the third is 0.8)."""
+    logits = jnp.log(jnp.array([[0.15, 0.5, 0.05, 0.3]]))
+    drawn = {int(sample_tokens(logits, jax.random.key(s), Sampling(1.0, 0, 0.7))[0]) for s in range(64)}
+    assert drawn == {1, 3}
 
 
 @pytest.mark.parametrize(
