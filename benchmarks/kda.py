@@ -1,10 +1,14 @@
 """Chunked KDA on the H200: the Pallas kernels against flash-linear-attention's Triton ``chunk_kda``.
 
 Run on the GPU machine (fla-core carried as a wheel, see benchmarks/RESULTS.md):
-    python3 benchmarks/kda.py [--quick]
-Checks the kernels against the float32 reference on the GPU first (and against fla), then times
-prefill at H=96, K=V=128, bf16 inputs for B1 T8192, B1 T32768, B8 T4096, and the decode step at
-B=64 as state traffic (read + write of the float32 state) in TB/s. Prints a table last.
+    python3 benchmarks/kda.py [--variants c32_v64,c64_v64] [--budget-s 230]
+Prefill at H=96, K=V=128, bf16 inputs for B1 T8192, B1 T32768, B8 T4096: per variant (``KDABlocks``)
+the intra-chunk kernel alone, the state walk alone (on the intra kernel's outputs) and both together
+(the fused-input path), against fla measured in the same run; the first variant also through the
+public ``chunk_kda_fused``. Every variant is checked against the float32 reference on the GPU just
+before it is first timed. Then the decode step at B=64 as state traffic (read + write of the float32
+state) in TB/s. Rows go to $OUT/kda_table.md as they are measured; once --budget-s has passed no new
+measurement starts, and the table is printed last.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import argparse
+import dataclasses
+import functools
 import statistics
 import time
 import traceback
@@ -25,16 +31,72 @@ import numpy as np
 from k3jax.functional import kda as ref
 from pallas_kernels.kda import KDABlocks, chunk_kda, chunk_kda_fused, step_kda
 from pallas_kernels.kda import reference as kda_reference
-from pallas_kernels.kda.kernel import intra_chunk
+from pallas_kernels.kda.kernel import intra_chunk, state_walk
 
 H, K, V, LOWER = 96, 128, 128, -5.0
 SHAPES = [(1, 8192), (1, 32768), (8, 4096)]
-FLA_PREVIOUS_MS = {(1, 8192): 2.61, (1, 32768): 10.4, (8, 4096): 9.9}
-VARIANTS = {  # 64-token chunks measured 2.6x slower than 32 on 2026-11-30 (see benchmarks/RESULTS.md)
+PREFILL_VARIANTS = {  # in order of priority: the first is the default
     "c32_v64": KDABlocks(chunk=32, block_v=64),
-    "c16_v64": KDABlocks(chunk=16, block_v=64),
+    "c64w8_v64": KDABlocks(chunk=64, block_v=64, warps_intra=8),
     "c32_v32": KDABlocks(chunk=32, block_v=32),
+    "c32_v128w8": KDABlocks(chunk=32, block_v=128, warps_walk=8),
+    "c64w8_v128w8": KDABlocks(chunk=64, block_v=128, warps_intra=8, warps_walk=8),
+    "c64w4_v64": KDABlocks(chunk=64, block_v=64),
 }
+DECODE_VARIANTS = {
+    "v32w4": KDABlocks(decode_block_v=32),
+    "v64w4": KDABlocks(decode_block_v=64),
+    "v128w4": KDABlocks(decode_block_v=128),
+    "v128w8": KDABlocks(decode_block_v=128, warps_decode=8),
+    "v64w8": KDABlocks(decode_block_v=64, warps_decode=8),
+}
+
+
+class OutOfTime(Exception):
+    """The run's time budget is spent: no new measurement starts."""
+
+
+@dataclasses.dataclass
+class Report:
+    """Log lines and table rows, written to $OUT as they come."""
+
+    budget_s: float
+    out_dir: str
+    start: float = dataclasses.field(default_factory=time.perf_counter)
+    prefill: list = dataclasses.field(default_factory=list)
+    decode: list = dataclasses.field(default_factory=list)
+
+    def log(self, msg):
+        msg = f"[{time.perf_counter() - self.start:6.1f}s] {msg}"
+        print(msg, flush=True)
+        with open(os.path.join(self.out_dir, "kda_log.txt"), "a") as f:
+            f.write(msg + "\n")
+
+    def require_time(self):
+        if time.perf_counter() - self.start > self.budget_s:
+            raise OutOfTime
+
+    def add_prefill(self, B, T, variant, part, ms, fla_ms):
+        self.prefill.append((B, T, variant, part, ms, fla_ms))
+        self.log(f"B{B} T{T} {variant} {part}: {ms:.3f} ms (fla {fla_ms:.3f})")
+        self.write_table()
+
+    def add_decode(self, name, ms, tbs):
+        self.decode.append((name, ms, tbs))
+        self.log(f"decode {name}: {ms:.4f} ms, {tbs:.2f} TB/s")
+        self.write_table()
+
+    def table(self):
+        lines = ["| B | T | variant | part | ours ms | fla ms | ours/fla speed |", "|---|---|---|---|---|---|---|"]
+        for B, T, variant, part, ms, fla_ms in self.prefill:
+            lines.append(f"| {B} | {T} | {variant} | {part} | {ms:.3f} | {fla_ms:.3f} | {fla_ms / ms:.2f}x |")
+        lines += ["", "| decode B=64 | ms | state TB/s |", "|---|---|---|"]
+        lines += [f"| {name} | {ms:.4f} | {tbs:.2f} |" for name, ms, tbs in self.decode]
+        return "\n".join(lines)
+
+    def write_table(self):
+        with open(os.path.join(self.out_dir, "kda_table.md"), "w") as f:
+            f.write(self.table() + "\n")
 
 
 def rel_err(a, b):
@@ -56,6 +118,10 @@ def fused_inputs(key, B, T, heads=H):
     )
 
 
+def fused_args(x):
+    return (x["q"], x["k"], x["v"], x["z"], x["a_log"], x["dt_bias"], x["beta_logits"], LOWER)
+
+
 def plain_inputs(x):
     q, k, g, beta = kda_reference.fused_inputs(x["q"], x["k"], x["z"], x["a_log"], x["dt_bias"],
                                                x["beta_logits"], LOWER)
@@ -64,6 +130,7 @@ def plain_inputs(x):
 
 
 def time_jax(fn, *args, iters=10, reps=5):
+    """Median over reps of the mean time of iters back-to-back calls, in ms (after one warm-up call)."""
     jax.block_until_ready(fn(*args))
     samples = []
     for _ in range(reps):
@@ -75,17 +142,16 @@ def time_jax(fn, *args, iters=10, reps=5):
     return statistics.median(samples)
 
 
-def check_gpu(blocks, log):
-    """Kernel vs float32 reference on the GPU: plain (with state), fused, decode."""
+def check_gpu(blocks, report):
+    """Kernel vs float32 reference on the GPU (B=2, T=300, H=4): plain with initial state, fused."""
     x = fused_inputs(jax.random.PRNGKey(1), 2, 300, heads=4)
     q, k, v, g, beta = plain_inputs(x)
     o, s = jax.jit(lambda *a: chunk_kda(*a, blocks=blocks))(q, k, v, g, beta, x["h0"])
     ro, rs = jax.jit(ref.chunk_kda)(q, k, v, g, beta, x["h0"])
-    args = (x["q"], x["k"], x["v"], x["z"], x["a_log"], x["dt_bias"], x["beta_logits"], LOWER)
-    fo, fs = jax.jit(lambda *a: chunk_kda_fused(*a, blocks=blocks), static_argnums=7)(*args)
-    rfo, rfs = jax.jit(kda_reference.chunk_kda_fused, static_argnums=7)(*args)
+    fo, fs = jax.jit(lambda *a: chunk_kda_fused(*a, blocks=blocks), static_argnums=7)(*fused_args(x))
+    rfo, rfs = jax.jit(kda_reference.chunk_kda_fused, static_argnums=7)(*fused_args(x))
     errs = dict(o=rel_err(o, ro), state=rel_err(s, rs), fused_o=rel_err(fo, rfo), fused_state=rel_err(fs, rfs))
-    log(f"check {blocks}: {errs}")
+    report.log(f"check {blocks}: " + ", ".join(f"{n} {e:.2e}" for n, e in errs.items()))
     return max(errs.values())
 
 
@@ -111,25 +177,81 @@ def time_fla(run):
     return triton.testing.do_bench(run, warmup=50, rep=300, return_mode="median")
 
 
-def bench_decode(log, B=64):
+def fla_ms(x, report):
+    try:
+        return time_fla(fla_runner(x))
+    except Exception:  # noqa: BLE001 - report and carry on: the table must print
+        report.log(f"fla failed:\n{traceback.format_exc()[-2000:]}")
+        return float("nan")
+
+
+def split_kernels(blocks, T, fused_gate):
+    """jitted intra(raw inputs) and walk(intra outputs, h0) for one variant, as chunk_kda_fused runs
+    them for T a whole number of chunks."""
+
+    def intra(q, k, v, z, a_log, dt_bias, beta_logits):
+        a_exp = jnp.broadcast_to(jnp.exp(a_log)[:, None], dt_bias.shape)
+        return intra_chunk(q, k, v, z, beta_logits, (a_exp, dt_bias) if fused_gate else None, seq_len=T,
+                           scale=K**-0.5, blocks=blocks, lower_bound=LOWER)
+
+    walk = lambda inter, h0: state_walk(*inter, h0, blocks=blocks)
+    return jax.jit(intra), jax.jit(walk)
+
+
+def bench_variant(name, blocks, inputs, fla, report, is_default):
+    """Intra alone, walk alone and both, at every shape; the default also through the public API."""
+    report.require_time()
+    if check_gpu(blocks, report) >= 5e-3:
+        report.log(f"{name}: error too large, not timed")
+        return
+    for (B, T), x in inputs.items():
+        report.require_time()
+        args = fused_args(x)[:7]
+        intra, walk = split_kernels(blocks, T, fused_gate=True)
+        inter = jax.block_until_ready(intra(*args))
+        h0 = jnp.zeros((B, H, K, V), jnp.float32)
+        both = lambda: walk(intra(*args), h0)
+        report.add_prefill(B, T, name, "intra+walk", time_jax(both), fla[B, T])
+        report.add_prefill(B, T, name, "intra", time_jax(intra, *args), fla[B, T])
+        report.add_prefill(B, T, name, "walk", time_jax(walk, inter, h0), fla[B, T])
+        del inter
+        if is_default:
+            api = jax.jit(functools.partial(chunk_kda_fused, blocks=blocks), static_argnums=7)
+            report.add_prefill(B, T, name, "chunk_kda_fused", time_jax(api, *fused_args(x)), fla[B, T])
+
+
+def decode_inputs(B=64):
     x = fused_inputs(jax.random.PRNGKey(3), B, 1)
     q, k, v, g, beta = (a[:, 0] for a in plain_inputs(x))
-    state = x["h0"]
+    return x, (q, k, v, g, beta), x["h0"]
+
+
+def time_decode(fn, args, state):
+    step = jax.jit(fn, donate_argnums=5)
+    holder = [jnp.array(state)]
+
+    def one():
+        holder[0] = step(*args, holder[0])[1]
+        return holder[0]
+
+    return time_jax(one, iters=50)
+
+
+def bench_decode(report):
+    x, args, state = decode_inputs()
     state_bytes = 2 * state.size * 4
-    ro, rs = jax.jit(ref.step_kda)(q, k, v, g, beta, state)
-    o, s = jax.jit(step_kda)(q, k, v, g, beta, jnp.array(state))
-    log(f"decode check: o {rel_err(o, ro):.2e} state {rel_err(s, rs):.2e}")
-    rows = {}
-    for name, fn in (("pallas", step_kda), ("xla_ref", ref.step_kda)):
-        step = jax.jit(fn, donate_argnums=5)
-        holder = [jnp.array(state)]
-
-        def one():
-            holder[0] = step(q, k, v, g, beta, holder[0])[1]
-            return holder[0]
-
-        ms = time_jax(lambda: one(), iters=50)
-        rows[name] = (ms, state_bytes / ms / 1e9)
+    ro, rs = jax.jit(ref.step_kda)(*args, state)
+    for name, blocks in DECODE_VARIANTS.items():
+        report.require_time()
+        fn = functools.partial(step_kda, blocks=blocks)
+        o, s = jax.jit(fn)(*args, jnp.array(state))
+        report.log(f"decode {name} check: o {rel_err(o, ro):.2e} state {rel_err(s, rs):.2e}")
+        if max(rel_err(o, ro), rel_err(s, rs)) >= 1e-5:
+            continue
+        ms = time_decode(fn, args, state)
+        report.add_decode(f"pallas {name}", ms, state_bytes / ms / 1e9)
+    ms = time_decode(ref.step_kda, args, state)
+    report.add_decode("xla_ref", ms, state_bytes / ms / 1e9)
     try:
         import torch
         from fla.ops.kda import fused_recurrent_kda
@@ -142,76 +264,36 @@ def bench_decode(log, B=64):
                                           use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
                                           use_beta_sigmoid_in_kernel=True)
         ms = time_fla(run)
-        rows["fla"] = (ms, state_bytes / ms / 1e9)
+        report.add_decode("fla fused_recurrent", ms, state_bytes / ms / 1e9)
     except Exception as e:  # noqa: BLE001 - report and carry on: the table must print
-        log(f"fla decode failed: {e!r}")
-    return rows
+        report.log(f"fla decode failed: {e!r}")
 
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="default blocks only")
-    parser.add_argument("--log", default=os.path.join(os.environ.get("OUT", "."), "kda_log.txt"))
+    parser.add_argument("--variants", default=",".join(PREFILL_VARIANTS), help="comma-separated names")
+    parser.add_argument("--budget-s", type=float, default=230.0, help="no new measurement after this")
+    parser.add_argument("--skip-decode", action="store_true")
     args = parser.parse_args()
-    logf = open(args.log, "w")
-
-    def log(msg):
-        print(msg, flush=True)
-        logf.write(msg + "\n")
-        logf.flush()
-
-    log(f"{jax.devices()[0].device_kind} jax {jax.__version__}")
-    variants = {"c32_v64": VARIANTS["c32_v64"]} if args.quick else VARIANTS
-    good = {}
-    for name, blocks in variants.items():
-        try:
-            err = check_gpu(blocks, log)
-            if err < 5e-3:
-                good[name] = blocks
-            else:
-                log(f"{name}: error {err:.2e} too large, not timed")
-        except Exception:  # noqa: BLE001
-            log(f"{name} failed:\n{traceback.format_exc()[-3000:]}")
-
-    table = []
-    for B, T in SHAPES:
-        x = fused_inputs(jax.random.PRNGKey(2), B, T)
-        fused_args = (x["q"], x["k"], x["v"], x["z"], x["a_log"], x["dt_bias"], x["beta_logits"], LOWER)
-        fla_ms = float("nan")
-        try:
-            run = fla_runner(x)
-            if (B, T) == SHAPES[0]:
-                fo = run()[0].float().cpu().numpy()
-                ro = kda_reference.chunk_kda_fused(*fused_args)[0]
-                log(f"fla vs reference o: {rel_err(fo, ro):.2e}")
-            fla_ms = time_fla(run)
-        except Exception:  # noqa: BLE001
-            log(f"fla failed:\n{traceback.format_exc()[-2000:]}")
-        plain = plain_inputs(x)
-        for name, blocks in good.items():
-            fused = jax.jit(lambda *a, b=blocks: chunk_kda_fused(*a, blocks=b), static_argnums=7)
-            ms = time_jax(fused, *fused_args)
-            table.append((B, T, f"fused {name}", ms, fla_ms))
-            log(f"B{B} T{T} fused {name}: {ms:.3f} ms (fla {fla_ms:.3f})")
-        if good:
-            name, blocks = next(iter(good.items()))
-            plain_fn = jax.jit(lambda *a, b=blocks: chunk_kda(*a, blocks=b))
-            table.append((B, T, f"plain {name}", time_jax(plain_fn, *plain), fla_ms))
-            intra = jax.jit(lambda q, k, v, g, beta, b=blocks: intra_chunk(
-                q, k, v, g, beta, None, seq_len=T, scale=K**-0.5, blocks=b))
-            table.append((B, T, f"  intra only {name}", time_jax(intra, *plain), fla_ms))
-        del x, plain
-
-    decode = bench_decode(log)
-    log("\n| B | T | variant | ours ms | fla ms | fla prev ms | Mtok/s ours | ours/fla speed |")
-    log("|---|---|---|---|---|---|---|---|")
-    for B, T, name, ms, fla_ms in table:
-        log(f"| {B} | {T} | {name} | {ms:.3f} | {fla_ms:.3f} | {FLA_PREVIOUS_MS[(B, T)]} | "
-            f"{B * T / ms / 1e3:.2f} | {fla_ms / ms:.2f}x |")
-    log("\n| decode B=64 | ms | state TB/s |")
-    log("|---|---|---|")
-    for name, (ms, tbs) in decode.items():
-        log(f"| {name} | {ms:.4f} | {tbs:.2f} |")
+    report = Report(args.budget_s, os.environ.get("OUT", "."))
+    report.log(f"{jax.devices()[0].device_kind} jax {jax.__version__}")
+    try:
+        if not args.skip_decode:
+            bench_decode(report)
+        inputs = {shape: fused_inputs(jax.random.PRNGKey(2), *shape) for shape in SHAPES}
+        fla = {shape: fla_ms(x, report) for shape, x in inputs.items()}
+        report.log(f"fla ms: {fla}")
+        names = args.variants.split(",")
+        for name in names:
+            try:
+                bench_variant(name, PREFILL_VARIANTS[name], inputs, fla, report, is_default=name == names[0])
+            except OutOfTime:
+                raise
+            except Exception:  # noqa: BLE001 - one variant failing must not lose the others
+                report.log(f"{name} failed:\n{traceback.format_exc()[-3000:]}")
+    except OutOfTime:
+        report.log("time budget spent: remaining measurements skipped")
+    print("\n" + report.table(), flush=True)
 
 
 if __name__ == "__main__":

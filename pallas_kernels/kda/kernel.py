@@ -42,7 +42,7 @@ class KDABlocks:
     block_v:        value columns of the state per program of the state walk (divides V)
     inter_dtype:    dtype of W, U, A_qk, decayed q/k between the kernels and of the walk's matmul
                     operands ("bfloat16" or "float32"); the state itself stays float32
-    warps_intra, warps_walk, stages_walk: Triton launch parameters (ignored off GPU)
+    warps_intra, warps_walk, stages_walk, warps_decode: Triton launch parameters (ignored off GPU)
     decode_block_v: value columns of the state per program of the decode step
     """
 
@@ -53,6 +53,7 @@ class KDABlocks:
     warps_walk: int = 4
     stages_walk: int = 2
     decode_block_v: int = 32
+    warps_decode: int = 4
 
     def __post_init__(self):
         if self.chunk % TILE or self.chunk <= 0:
@@ -106,7 +107,7 @@ def _intra_chunk_kernel(*refs, seq_len, chunk, scale, fused, lower_bound):
     row = jax.lax.broadcasted_iota(jnp.int32, (TILE, TILE), 0)
     col = jax.lax.broadcasted_iota(jnp.int32, (TILE, TILE), 1)
 
-    q, k, v, beta, G, mid, end = [], [], [], [], [], [], []
+    q, k, beta, G, mid, end = [], [], [], [], [], []
     before = jnp.zeros((g_ref.shape[-1],), _F32)  # G just before the sub-tile, from the chunk start
     for a in range(n_sub):
         rows = pl.ds(a * TILE, TILE)
@@ -121,7 +122,6 @@ def _intra_chunk_kernel(*refs, seq_len, chunk, scale, fused, lower_bound):
         G_a = jnp.cumsum(g_a, axis=0) + before[None, :]  # [16, K] cumulative log decay
         q.append(q_a * scale)
         k.append(k_a)
-        v.append(v_ref[rows, :].astype(_F32))
         beta.append(jnp.where(valid, b_a, 0.0))
         G.append(G_a)
         mid.append(_row(G_a, TILE // 2 - 1))
@@ -129,21 +129,34 @@ def _intra_chunk_kernel(*refs, seq_len, chunk, scale, fused, lower_bound):
         before = end[-1]
     G_chunk = end[-1]  # [K]
 
-    # Decay-weighted Gram blocks A_kk (strictly lower, rows scaled by beta) and A_qk (lower).
-    k_before = [k[b] * jnp.exp(end[b][None, :] - G[b]) for b in range(n_sub)]  # factors <= 1
-    akk, aqk = {}, {}
+    # Outputs are written as soon as they are formed, so that their inputs die early (registers).
+    out_dtype = w_ref.dtype
     for a in range(n_sub):
-        for b in range(a + 1):
+        rows = pl.ds(a * TILE, TILE)
+        qg_ref[rows, :] = (q[a] * jnp.exp(G[a])).astype(out_dtype)
+        kg_ref[rows, :] = (k[a] * jnp.exp(G_chunk[None, :] - G[a])).astype(out_dtype)
+
+    # Decay-weighted Gram blocks A_kk (strictly lower, rows scaled by beta, kept) and A_qk (lower, written).
+    k_before = [k[b] * jnp.exp(end[b][None, :] - G[b]) for b in range(n_sub)]  # factors <= 1
+    zeros = jnp.zeros((TILE, TILE), out_dtype)
+    akk = {}
+    for a in range(n_sub):
+        rows = pl.ds(a * TILE, TILE)
+        for b in range(n_sub):
+            if b > a:
+                aqk_ref[rows, pl.ds(b * TILE, TILE)] = zeros
+                continue
             if a == b:
                 up, down = jnp.exp(G[a] - mid[a][None, :]), jnp.exp(mid[a][None, :] - G[a])
                 k_right = k[a] * down
-                akk[a, b] = jnp.where(row > col, _dot_t(k[a] * up, k_right), 0.0)
-                aqk[a, b] = jnp.where(row >= col, _dot_t(q[a] * up, k_right), 0.0)
+                kk = jnp.where(row > col, _dot_t(k[a] * up, k_right), 0.0)
+                qk = jnp.where(row >= col, _dot_t(q[a] * up, k_right), 0.0)
             else:
                 up = jnp.exp(G[a] - end[b][None, :])
-                akk[a, b] = _dot_t(k[a] * up, k_before[b])
-                aqk[a, b] = _dot_t(q[a] * up, k_before[b])
-            akk[a, b] = akk[a, b] * beta[a][:, None]
+                kk = _dot_t(k[a] * up, k_before[b])
+                qk = _dot_t(q[a] * up, k_before[b])
+            akk[a, b] = kk * beta[a][:, None]
+            aqk_ref[rows, pl.ds(b * TILE, TILE)] = qk.astype(out_dtype)
 
     # (I + A_kk)^-1 by blocks: X_aa = inv(I + L_aa), X_ab = -X_aa sum_{c=b}^{a-1} L_ac X_cb.
     inv = {}
@@ -155,21 +168,12 @@ def _intra_chunk_kernel(*refs, seq_len, chunk, scale, fused, lower_bound):
                 acc = acc + _dot(akk[a, c], inv[c, b], _HI)
             inv[a, b] = -_dot(inv[a, a], acc, _HI)
 
-    out_dtype = w_ref.dtype
     k_decayed = [beta[b][:, None] * jnp.exp(G[b]) * k[b] for b in range(n_sub)]
-    v_beta = [beta[b][:, None] * v[b] for b in range(n_sub)]
-    zeros = jnp.zeros((TILE, TILE), out_dtype)
+    v_beta = [beta[b][:, None] * v_ref[pl.ds(b * TILE, TILE), :].astype(_F32) for b in range(n_sub)]
     for a in range(n_sub):
         rows = pl.ds(a * TILE, TILE)
-        w_a = sum(_dot(inv[a, b], k_decayed[b]) for b in range(a + 1))
-        u_a = sum(_dot(inv[a, b], v_beta[b]) for b in range(a + 1))
-        w_ref[rows, :] = w_a.astype(out_dtype)
-        u_ref[rows, :] = u_a.astype(out_dtype)
-        qg_ref[rows, :] = (q[a] * jnp.exp(G[a])).astype(out_dtype)
-        kg_ref[rows, :] = (k[a] * jnp.exp(G_chunk[None, :] - G[a])).astype(out_dtype)
-        for b in range(n_sub):
-            block = aqk[a, b].astype(out_dtype) if b <= a else zeros
-            aqk_ref[rows, pl.ds(b * TILE, TILE)] = block
+        w_ref[rows, :] = sum(_dot(inv[a, b], k_decayed[b]) for b in range(a + 1)).astype(out_dtype)
+        u_ref[rows, :] = sum(_dot(inv[a, b], v_beta[b]) for b in range(a + 1)).astype(out_dtype)
     gend_ref[...] = jnp.exp(G_chunk)
 
 
@@ -285,7 +289,8 @@ def decode_step(q, k, v, g, beta, state, *, scale, blocks):
         _decode_kernel, grid=(B, H, V // bv),
         in_specs=[vec(), vec(), vec(), v_spec, vec(), s_spec], out_specs=[v_spec, s_spec],
         out_shape=[jax.ShapeDtypeStruct((B, H, V), _F32), jax.ShapeDtypeStruct((B, H, K, V), _F32)],
-        input_output_aliases={5: 1}, compiler_params=compiler_params(4, 1), interpret=interpret(),
+        input_output_aliases={5: 1}, compiler_params=compiler_params(blocks.warps_decode, 1),
+        interpret=interpret(),
         name="kda_decode_step",
     )(qs, k, kb, v, g, state.astype(_F32))
 
