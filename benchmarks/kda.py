@@ -1,14 +1,16 @@
 """Chunked KDA on the H200: the Pallas kernels against flash-linear-attention's Triton ``chunk_kda``.
 
 Run on the GPU machine (fla-core carried as a wheel, see benchmarks/RESULTS.md):
-    python3 benchmarks/kda.py [--variants c32_v64,c64_v64] [--budget-s 230]
-Prefill at H=96, K=V=128, bf16 inputs for B1 T8192, B1 T32768, B8 T4096: per variant (``KDABlocks``)
+    python3 benchmarks/kda.py [--variants c32_v64,c64w8_v64] [--decode-variants v64w4] [--fla-recorded]
+        [--budget-s 230]
+First the decode step at B=64 as state traffic (read + write of the float32 state) in TB/s. Then
+prefill at H=96, K=V=128, bf16 inputs for B1 T8192, B1 T32768, B8 T4096: per variant (``KDABlocks``)
 the intra-chunk kernel alone, the state walk alone (on the intra kernel's outputs) and both together
-(the fused-input path), against fla measured in the same run; the first variant also through the
-public ``chunk_kda_fused``. Every variant is checked against the float32 reference on the GPU just
-before it is first timed. Then the decode step at B=64 as state traffic (read + write of the float32
-state) in TB/s. Rows go to $OUT/kda_table.md as they are measured; once --budget-s has passed no new
-measurement starts, and the table is printed last.
+(the fused-input path), against fla measured in the same run (or, with --fla-recorded, its last
+recorded times); the first variant also through the public ``chunk_kda_fused``. Every variant is
+checked against the float32 reference on the GPU just before it is first timed. Rows go to
+$OUT/kda_table.md as they are measured; once --budget-s has passed no new measurement starts, and the
+table is printed last.
 """
 
 from __future__ import annotations
@@ -35,15 +37,17 @@ from pallas_kernels.kda.kernel import intra_chunk, state_walk
 
 H, K, V, LOWER = 96, 128, 128, -5.0
 SHAPES = [(1, 8192), (1, 32768), (8, 4096)]
-PREFILL_VARIANTS = {  # in order of priority: the first is the default
+FLA_RECORDED_MS = {(1, 8192): 2.613, (1, 32768): 10.385, (8, 4096): 9.914}  # 2026-11-30, RESULTS.md
+PREFILL_VARIANTS = {  # in order of priority: the first is timed through the public API too
     "c32_v64": KDABlocks(chunk=32, block_v=64),
+    "c32w2_v64": KDABlocks(chunk=32, block_v=64, warps_intra=2),
+    "c32w8_v64": KDABlocks(chunk=32, block_v=64, warps_intra=8),
     "c64w8_v64": KDABlocks(chunk=64, block_v=64, warps_intra=8),
+    "c64w4_v64": KDABlocks(chunk=64, block_v=64),
     "c32_v32": KDABlocks(chunk=32, block_v=32),
     "c32_v128w8": KDABlocks(chunk=32, block_v=128, warps_walk=8),
-    "c64w8_v128w8": KDABlocks(chunk=64, block_v=128, warps_intra=8, warps_walk=8),
-    "c64w4_v64": KDABlocks(chunk=64, block_v=64),
 }
-DECODE_VARIANTS = {
+DECODE_VARIANTS = {  # measured 2026-11-30: v64w4 3.26 TB/s, v32w4 2.89, v128w4 3.08, v128w8 3.06, v64w8 3.16
     "v32w4": KDABlocks(decode_block_v=32),
     "v64w4": KDABlocks(decode_block_v=64),
     "v128w4": KDABlocks(decode_block_v=128),
@@ -87,7 +91,8 @@ class Report:
         self.write_table()
 
     def table(self):
-        lines = ["| B | T | variant | part | ours ms | fla ms | ours/fla speed |", "|---|---|---|---|---|---|---|"]
+        lines = ["| B | T | variant | part | ours ms | fla ms | ours/fla speed |",
+                 "|---|---|---|---|---|---|---|"]
         for B, T, variant, part, ms, fla_ms in self.prefill:
             lines.append(f"| {B} | {T} | {variant} | {part} | {ms:.3f} | {fla_ms:.3f} | {fla_ms / ms:.2f}x |")
         lines += ["", "| decode B=64 | ms | state TB/s |", "|---|---|---|"]
@@ -150,7 +155,8 @@ def check_gpu(blocks, report):
     ro, rs = jax.jit(ref.chunk_kda)(q, k, v, g, beta, x["h0"])
     fo, fs = jax.jit(lambda *a: chunk_kda_fused(*a, blocks=blocks), static_argnums=7)(*fused_args(x))
     rfo, rfs = jax.jit(kda_reference.chunk_kda_fused, static_argnums=7)(*fused_args(x))
-    errs = dict(o=rel_err(o, ro), state=rel_err(s, rs), fused_o=rel_err(fo, rfo), fused_state=rel_err(fs, rfs))
+    errs = dict(o=rel_err(o, ro), state=rel_err(s, rs),
+                fused_o=rel_err(fo, rfo), fused_state=rel_err(fs, rfs))
     report.log(f"check {blocks}: " + ", ".join(f"{n} {e:.2e}" for n, e in errs.items()))
     return max(errs.values())
 
@@ -237,12 +243,13 @@ def time_decode(fn, args, state):
     return time_jax(one, iters=50)
 
 
-def bench_decode(report):
+def bench_decode(report, names, with_fla):
     x, args, state = decode_inputs()
     state_bytes = 2 * state.size * 4
     ro, rs = jax.jit(ref.step_kda)(*args, state)
-    for name, blocks in DECODE_VARIANTS.items():
+    for name in names:
         report.require_time()
+        blocks = DECODE_VARIANTS[name]
         fn = functools.partial(step_kda, blocks=blocks)
         o, s = jax.jit(fn)(*args, jnp.array(state))
         report.log(f"decode {name} check: o {rel_err(o, ro):.2e} state {rel_err(s, rs):.2e}")
@@ -252,6 +259,8 @@ def bench_decode(report):
         report.add_decode(f"pallas {name}", ms, state_bytes / ms / 1e9)
     ms = time_decode(ref.step_kda, args, state)
     report.add_decode("xla_ref", ms, state_bytes / ms / 1e9)
+    if not with_fla:
+        return
     try:
         import torch
         from fla.ops.kda import fused_recurrent_kda
@@ -273,16 +282,21 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--variants", default=",".join(PREFILL_VARIANTS), help="comma-separated names")
     parser.add_argument("--budget-s", type=float, default=230.0, help="no new measurement after this")
-    parser.add_argument("--skip-decode", action="store_true")
+    parser.add_argument("--decode-variants", default=",".join(DECODE_VARIANTS), help="comma-separated, or ''")
+    parser.add_argument("--fla-recorded", action="store_true",
+                        help="use FLA_RECORDED_MS instead of timing fla (its autotuning takes ~2 minutes)")
     args = parser.parse_args()
     report = Report(args.budget_s, os.environ.get("OUT", "."))
     report.log(f"{jax.devices()[0].device_kind} jax {jax.__version__}")
     try:
-        if not args.skip_decode:
-            bench_decode(report)
+        if args.decode_variants:
+            bench_decode(report, args.decode_variants.split(","), with_fla=not args.fla_recorded)
         inputs = {shape: fused_inputs(jax.random.PRNGKey(2), *shape) for shape in SHAPES}
-        fla = {shape: fla_ms(x, report) for shape, x in inputs.items()}
-        report.log(f"fla ms: {fla}")
+        if args.fla_recorded:
+            fla = FLA_RECORDED_MS
+        else:
+            fla = {shape: fla_ms(x, report) for shape, x in inputs.items()}
+        report.log(f"fla ms ({'recorded' if args.fla_recorded else 'measured'}): {fla}")
         names = args.variants.split(",")
         for name in names:
             try:
