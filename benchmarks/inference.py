@@ -22,6 +22,8 @@ from k3jax import Generator, K3Model, preset, use_implementation
 from k3jax.memory import MXFP4_BYTES
 from k3jax.param_count import count_params
 
+from kernel_profile import dumped_source_paths, kernel_table
+
 
 def median_time(fn, reps: int = 10) -> float:
     jax.block_until_ready(fn())
@@ -64,6 +66,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--prefill", type=int, default=8192)
     ap.add_argument("--preset", default="mini")
+    ap.add_argument("--profile", default="", help="XLA dump folder (set XLA_FLAGS to dump there): print "
+                    "where the device time of a decode step and a prefill chunk goes")
     args = ap.parse_args()
     bw, rate = ceilings()
     print(f"device {jax.devices()[0].device_kind}: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TF/s")
@@ -89,6 +93,15 @@ def main() -> None:
                 jax.block_until_ready(token)
                 rounds.append((time.perf_counter() - t) / steps)
             step = min(rounds)
+            if args.profile:
+                state = {"token": token, "cache": cache}
+
+                def once():
+                    state["token"], _, state["cache"] = gen.decode_step(state["token"], state["cache"], pos, key)
+                    return state["token"]
+
+                print(f"\n## decode B={batch}, step {step * 1e6:,.0f} us")
+                print(kernel_table(once, dumped_source_paths(args.profile, "decode")))
             floor = decode_floor_bytes(cfg, counts, batch, args.prompt + 1) / bw
             rows.append((f"decode B={batch}", f"{step * 1e3:.2f} ms", f"floor {floor * 1e3:.2f} ms",
                          f"{step / floor:.1f}x floor", f"{batch / step:,.0f} tok/s"))
@@ -99,6 +112,12 @@ def main() -> None:
         t = time.perf_counter()
         jax.block_until_ready(gen.prefill(prompt, gen.init_cache(1))[0])
         seconds = time.perf_counter() - t
+        if args.profile:
+            chunk = jnp.asarray(np.asarray(prompt)[:, :2048])
+            start, lengths = jnp.zeros((1,), jnp.int32), jnp.full((1,), T, jnp.int32)
+            print(f"\n## prefill chunk of 2048 tokens (of {T})")
+            print(kernel_table(lambda: gen._extend(gen._weights, chunk, gen.init_cache(1), start, lengths)[0],
+                               dumped_source_paths(args.profile, "extend"), calls=2))
         mla = cfg.mla
         flops = 2 * counts.active * T + cfg.layer_types.count("mla") * 2 * T * T * mla.num_heads * (
             mla.qk_head_dim + mla.v_head_dim)

@@ -64,16 +64,20 @@ class DecoderLayer(nnx.Module):
 
     def attention(self, h: Array, cache=None, ctx: "Positions | None" = None):
         """Attention of the normed input; with a cache (``ctx`` given) it continues the sequence."""
-        x = self.input_layernorm(h)
-        if isinstance(self.self_attn, KDA):
-            return self.self_attn(x, cache, None if ctx is None else ctx.valid)
-        if ctx is None:
-            return self.self_attn(x), None
-        return self.self_attn.extend(x, cache, ctx.start)
+        kda = isinstance(self.self_attn, KDA)
+        with jax.named_scope("kda" if kda else "mla"):  # names the kernels in profiles
+            x = self.input_layernorm(h)
+            if kda:
+                return self.self_attn(x, cache, None if ctx is None else ctx.valid)
+            if ctx is None:
+                return self.self_attn(x), None
+            return self.self_attn.extend(x, cache, ctx.start)
 
     def ffn(self, h: Array) -> Array:
-        h = self.post_attention_layernorm(h)
-        return self.block_sparse_moe(h) if hasattr(self, "block_sparse_moe") else self.mlp(h)
+        moe = hasattr(self, "block_sparse_moe")
+        with jax.named_scope("moe" if moe else "mlp"):
+            h = self.post_attention_layernorm(h)
+            return self.block_sparse_moe(h) if moe else self.mlp(h)
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
         """KDA: conv inputs and the float32 state; MLA: the latent cache of max_len positions."""
@@ -92,13 +96,15 @@ class DecoderLayer(nnx.Module):
         possibly traced) says this layer starts a block. Returns the new carry, the two mixes'
         weights [2, N+1, B, T] and the layer's cache."""
         blocks, n, partial = carry
-        h, w_attn = self.self_attention_res(blocks, n, partial)
+        with jax.named_scope("attn_res"):
+            h, w_attn = self.self_attention_res(blocks, n, partial)
         slot = jax.lax.dynamic_index_in_dim(blocks, n, axis=0, keepdims=False)
         blocks = jax.lax.dynamic_update_index_in_dim(blocks, jnp.where(commit, partial, slot), n, axis=0)
         n = n + commit.astype(n.dtype)
         a, cache = self.attention(h, cache, ctx)
         partial = jnp.where(commit, jnp.zeros_like(partial), partial) + a
-        h, w_mlp = self.mlp_res(blocks, n, partial)
+        with jax.named_scope("attn_res"):
+            h, w_mlp = self.mlp_res(blocks, n, partial)
         return (blocks, n, partial + self.ffn(h)), jnp.stack([w_attn, w_mlp]), cache
 
 
@@ -216,10 +222,12 @@ class K3Model(nnx.Module):
         out_weights = None
         if block:
             blocks, n, partial = carry
-            x, out_weights = self.output_attn_res(blocks, n, partial)
+            with jax.named_scope("attn_res"):
+                x, out_weights = self.output_attn_res(blocks, n, partial)
         else:
             x = carry
-        logits = self.lm_head(self.norm(x)).astype(jnp.float32)
+        with jax.named_scope("lm_head"):
+            logits = self.lm_head(self.norm(x)).astype(jnp.float32)
         mix = MixWeights(jnp.concatenate(weights), out_weights) if block else None
         return logits, mix, new_cache
 
