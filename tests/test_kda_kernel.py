@@ -9,11 +9,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from k3jax.functional import kda as ref
 from pallas_kernels.kda import KDABlocks, chunk_kda, chunk_kda_fused, step_kda
 from pallas_kernels.kda import reference
+from pallas_kernels.kda.kernel import _unit_lower_inverse
 from reference_numpy import rel_err
 
 TOL = 5e-3
@@ -53,6 +55,17 @@ def test_default_blocks_two_sub_tiles():
     o, s = jax.jit(chunk_kda)(q, k, v, g, beta, None)
     ro, rs = _recurrent(q, k, v, g, beta, None)
     assert rel_err(o, ro) < TOL and rel_err(s, rs) < TOL
+
+
+@pytest.mark.parametrize("cosine", [0.0, 0.99])
+def test_block_inverse_matches_exact(cosine):
+    """The 16x16 (I + L)^-1 by block doubling, for random and nearly parallel unit keys (beta = 1)."""
+    ks = jax.random.split(jax.random.PRNGKey(21), 2)
+    shared, own = jax.random.normal(ks[0], (1, 64)), jax.random.normal(ks[1], (16, 64))
+    keys = ref.l2_normalize(cosine * shared + (1 - cosine**2) ** 0.5 * own)
+    lower = jnp.tril(keys @ keys.T, -1)
+    exact = np.linalg.inv(np.eye(16) + np.asarray(lower, np.float64))
+    assert rel_err(_unit_lower_inverse(lower), exact) < 1e-6
 
 
 def test_fused_inputs_match():
