@@ -1,12 +1,15 @@
 """MX matmul benchmark on one GPU: our Pallas kernels against XLA peers, in one run.
 
-    python3 benchmarks/mx_matmul.py [--quick]
+    python3 benchmarks/mx_matmul.py [--quick] [--skip check,dense,grouped]
 
-1. Correctness on this GPU: kernels vs the float32 references (reference.py) on small random
-   shapes, and vs XLA decode-then-dot at the decode shape.
+1. Correctness on this GPU: the Pallas decode (PTX and arith, and the PTX emulation run in
+   interpret mode) bit for bit against XLA's decode; every kernel path vs the float32 references
+   (reference.py) on small random shapes; vs XLA decode-then-dot at the benchmark shapes.
 2. Dense: x [M, 3584] @ MXFP4 w [49152, 3584]^T (16 x 3072 outputs), M = 1, 16 (weight-streaming;
    effective weight bandwidth = MXFP4 bytes / time) and M = 4096 (TFLOP/s). Peers: XLA
    decode-then-dot and a bf16 dot of the same shape.
+   M = 512 too (where the dispatch between the fused kernel and decode-then-dot sits), and the
+   decode kernel alone (GB/s of MXFP4 read + bf16 written).
 3. Grouped: K3 routed experts (896 experts, 16 per token): gate+up 3584 -> 2 x 3072 and down
    3072 -> 3584, decode batch 1, 8, 64 and prefill 8192 tokens. Peer: ``jax.lax.ragged_dot`` on
    bf16 weights.
@@ -19,6 +22,7 @@ jitted ``fori_loop``, which removes host dispatch from the time). The table is p
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -32,14 +36,18 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from k3jax.implementation import pallas_interpret  # noqa: E402
 from k3jax.mx import MXTensor  # noqa: E402
 from pallas_kernels.mx_matmul import (  # noqa: E402
     MXBlocks,
+    default_blocks,
     grouped_mx_matmul,
     grouped_mx_matmul_reference,
     mx_matmul,
     mx_matmul_reference,
 )
+from pallas_kernels.mx_matmul.kernel import decode_mxfp4_pallas  # noqa: E402
+from pallas_kernels.mx_matmul.ops import _kernel_weight_layout  # noqa: E402
 
 ROWS: list[dict] = []
 
@@ -110,44 +118,93 @@ def rel_err(a, b) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+def label(b: MXBlocks) -> str:
+    """Short name of a configuration: tiles, launch settings, method."""
+    if b.decode_then_dot:
+        return f"decode {b.bn}x{b.bk} w{b.num_warps} {b.decode} + XLA dot"
+    return f"{b.bm}x{b.bn}x{b.bk} w{b.num_warps} s{b.num_stages} {b.decode}{' lhs' if b.weights_lhs else ''}"
+
+
+def same_bits(a, b) -> bool:
+    return bool(np.array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16)))
+
+
+def check_decode(key) -> None:
+    """Pallas decode (PTX, arith, PTX emulation in interpret mode) vs XLA's decode, bit for bit, on
+    every code byte and scale bytes 1..254."""
+    n, k = 256, 1024
+    kc, ks = jax.random.split(key)
+    w = MXTensor(jax.random.bits(kc, (n, k // 2), jnp.uint8),
+                 jax.random.randint(ks, (n, k // 32), 1, 255).astype(jnp.uint8), "mxfp4")
+    ref = w.decode(jnp.bfloat16)
+    ref_planar = jnp.stack([ref[:, 0::2], ref[:, 1::2]], axis=1)
+    for decode, interpret in [("ptx", False), ("arith", False), ("ptx", True)]:
+        out = decode_mxfp4_pallas(*_kernel_weight_layout(w, n), blocks=MXBlocks(bn=32, bk=256, decode=decode),
+                                  interpret=interpret or pallas_interpret())
+        print(f"  decode {decode}{' emulated' if interpret else ''}: bit-exact vs XLA decode: "
+              f"{same_bits(out, ref_planar)}", flush=True)
+
+
+def guarded(what: str, fn) -> None:
+    """Run one check; a failure is printed and the remaining checks still run."""
+    try:
+        fn()
+    except Exception as e:
+        print(f"  {what}: FAILED {type(e).__name__}: {str(e)[:600]}", flush=True)
+
+
 def check_correctness(key) -> None:
     print("== correctness on device", flush=True)
     k = jax.random.split(key, 8)
+    guarded("decode", lambda: check_decode(k[7]))
+    paths = [None, MXBlocks(16, 64, 256, weights_lhs=False), MXBlocks(16, 64, 256, weights_lhs=True, decode="arith"),
+             MXBlocks(bn=32, bk=256, decode_then_dot=True)]
+
+    def dense(x, w, blocks, ref, what):
+        out = mx_matmul(x, w, out_dtype=jnp.float32, blocks=blocks)
+        name = "default " + label(default_blocks(x.shape[0])) if blocks is None else label(blocks)
+        print(f"  {what} {name}: rel err {rel_err(out, ref):.2e}", flush=True)
+
     for m, n, kk in [(1, 96, 160), (7, 4160, 3584), (100, 352, 96)]:
         x = jax.random.normal(k[0], (m, kk), jnp.float32).astype(jnp.bfloat16)
         w = MXTensor.quantize(jax.random.normal(k[1], (n, kk)))
-        out = mx_matmul(x, w, out_dtype=jnp.float32)
-        print(f"  mx_matmul M={m} N={n} K={kk}: rel err {rel_err(out, mx_matmul_reference(x, w)):.2e}")
+        ref = mx_matmul_reference(x, w)
+        for blocks in paths:
+            guarded(f"M={m} {blocks}", lambda: dense(x, w, blocks, ref, f"mx_matmul M={m} N={n} K={kk}"))
         xq = MXTensor.quantize(jax.random.normal(k[2], (m, kk)), "mxfp8")
-        out = mx_matmul(xq, w, out_dtype=jnp.float32)
-        print(f"  W4A8 M={m} N={n} K={kk}: rel err {rel_err(out, mx_matmul_reference(xq, w)):.2e}")
+        ref = mx_matmul_reference(xq, w)
+        for blocks in (None, paths[-1]):
+            guarded(f"W4A8 M={m} {blocks}", lambda: dense(xq, w, blocks, ref, f"W4A8 M={m} N={n} K={kk}"))
     g, n, kk, m = 9, 352, 224, 300
     w = MXTensor.quantize(jax.random.normal(k[3], (g, n, kk)))
     sizes = jnp.array([40, 0, 1, 77, 0, 0, 100, 17, 50], jnp.int32)  # sums to 285 < 300
     x = jax.random.normal(k[4], (m, kk), jnp.float32).astype(jnp.bfloat16)
     ref = grouped_mx_matmul_reference(x, w, sizes)
-    for blocks in [MXBlocks(bm=16, bn=64, bk=64), MXBlocks(bm=64, bn=32, bk=32)]:
+
+    def grouped(x, blocks, ref, what):
         out = grouped_mx_matmul(x, w, sizes, out_dtype=jnp.float32, blocks=blocks)
-        print(f"  grouped {blocks.bm}x{blocks.bn}x{blocks.bk}: rel err {rel_err(out, ref):.2e}, "
-              f"tail max {float(jnp.max(jnp.abs(out[285:]))):.1e}")
+        print(f"  {what}: rel err {rel_err(out, ref):.2e}, tail max {float(jnp.max(jnp.abs(out[285:]))):.1e}",
+              flush=True)
+
+    for blocks in [MXBlocks(16, 64, 64, weights_lhs=True), MXBlocks(16, 64, 64), MXBlocks(64, 32, 32)]:
+        guarded(f"grouped {blocks}", lambda: grouped(x, blocks, ref, f"grouped {label(blocks)}"))
     xq = MXTensor.quantize(jax.random.normal(k[5], (m, kk)), "mxfp8")
-    out = grouped_mx_matmul(xq, w, sizes, out_dtype=jnp.float32)
-    print(f"  grouped W4A8: rel err {rel_err(out, grouped_mx_matmul_reference(xq, w, sizes)):.2e}")
+    guarded("grouped W4A8", lambda: grouped(xq, None, grouped_mx_matmul_reference(xq, w, sizes), "grouped W4A8 default"))
 
 
 def best_kernel(case, fn_of_blocks, configs, args, flops, wbytes, loop: bool = False):
     """Time fn_of_blocks(blocks) over configs; record the best; optionally its in-jit loop time."""
     best = None
     for blocks in configs:
-        label = f"{blocks.bm}x{blocks.bn}x{blocks.bk} w{blocks.num_warps} s{blocks.num_stages}"
+        name = label(blocks)
         try:
             t = timed(jax.jit(fn_of_blocks(blocks)), *args)
         except Exception as e:  # a tile config that does not compile is skipped, not fatal
-            print(f"  {case} {label}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+            print(f"  {case} {name}: FAILED {type(e).__name__}: {str(e)[:600]}", flush=True)
             continue
-        print(f"    {case} {label}: {t * 1e6:.1f} us", flush=True)
+        print(f"    {case} {name}: {t * 1e6:.1f} us", flush=True)
         if best is None or t < best[0]:
-            best = (t, blocks, label)
+            best = (t, blocks, name)
     if best is None:
         return None
     record(case, "pallas mx (best tiles)", best[0], flops, wbytes, best[2])
@@ -158,6 +215,42 @@ def best_kernel(case, fn_of_blocks, configs, args, flops, wbytes, loop: bool = F
     return best[1]
 
 
+def dense_configs(m: int) -> list[MXBlocks]:
+    """Tile configurations timed at M rows (default_blocks first)."""
+    if m <= 16:
+        return [default_blocks(m)] + [MXBlocks(16, bn, bk, w, 3, weights_lhs=True)
+                                      for bn, bk, w in [(64, 256, 4), (128, 256, 4), (128, 512, 8)]] + [
+            MXBlocks(16, 32, 512, 4, 3), MXBlocks(16, 64, 512, 4, 3, weights_lhs=True, decode="arith"),
+            MXBlocks(16, 32, 512, 4, 3, decode="arith")]
+    if m <= 1024:
+        return [default_blocks(m), MXBlocks(64, 128, 128, 4, 3, weights_lhs=True),
+                MXBlocks(bn=32, bk=512, decode_then_dot=True)]
+    return [default_blocks(m), MXBlocks(bn=64, bk=256, decode_then_dot=True),
+            MXBlocks(bn=64, bk=512, num_warps=8, decode_then_dot=True),
+            MXBlocks(bn=32, bk=512, decode="arith", decode_then_dot=True),
+            MXBlocks(128, 128, 64, 4, 4), MXBlocks(128, 256, 64, 8, 3)]
+
+
+def bench_decode(w: MXTensor, quick: bool) -> None:
+    """The decode kernel alone: MXFP4 bytes read + bf16 bytes written per second."""
+    n, k = w.shape
+    layout = _kernel_weight_layout(w, n)
+    moved = w.nbytes + 2 * n * k
+    configs = [MXBlocks(bn=32, bk=512), MXBlocks(bn=64, bk=256), MXBlocks(bn=64, bk=512, num_warps=8)]
+    for blocks in configs[:1] if quick else configs:
+        try:
+            t = timed(jax.jit(functools.partial(decode_mxfp4_pallas, blocks=blocks, interpret=False)), *layout)
+        except Exception as e:
+            print(f"  decode {label(blocks)}: FAILED {type(e).__name__}: {str(e)[:600]}", flush=True)
+            continue
+        print(f"  decode only {blocks.bn}x{blocks.bk} w{blocks.num_warps}: {t * 1e6:.1f} us, "
+              f"{moved / t / 1e12:.2f} TB/s moved", flush=True)
+        record("decode only [49152, 3584]", f"pallas decode {blocks.bn}x{blocks.bk} w{blocks.num_warps}", t, 0.0,
+               w.nbytes, f"{moved / t / 1e12:.2f} TB/s read+written")
+    t = timed(jax.jit(lambda w: w.decode(jnp.bfloat16)), w)
+    record("decode only [49152, 3584]", "XLA decode", t, 0.0, w.nbytes, f"{moved / t / 1e12:.2f} TB/s read+written")
+
+
 def bench_dense(key, quick: bool) -> None:
     print("== dense: x [M, 3584] @ MXFP4 [49152, 3584]^T", flush=True)
     n, k = 16 * 3072, 3584
@@ -165,22 +258,18 @@ def bench_dense(key, quick: bool) -> None:
     w = random_mx(kw, (n, k))
     w_bf16 = w.decode(jnp.bfloat16)
     wbytes = w.nbytes
+    bench_decode(w, quick)
     decode_dot = jax.jit(lambda x, w: jnp.dot(x, w.decode(jnp.bfloat16).T, preferred_element_type=jnp.float32).astype(x.dtype))
     bf16_dot = jax.jit(lambda x, wb: jnp.dot(x, wb.T, preferred_element_type=jnp.float32).astype(x.dtype))
-    for m in ([1, 16] if quick else [1, 16, 4096]):
+    for m in ([1, 16] if quick else [1, 16, 512, 4096]):
         x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
         case, flops = f"dense M={m}", 2.0 * m * n * k
-        err = rel_err(mx_matmul(x, w), decode_dot(x, w))
-        print(f"  {case}: rel err vs XLA decode-then-dot {err:.2e}", flush=True)
-        if m <= 16:
-            configs = [MXBlocks(16, bn, bk, 4, 3) for bn in (32, 64, 128) for bk in (256, 512, 1024)]
-        else:
-            configs = [MXBlocks(128, 128, 64, 8, 3), MXBlocks(128, 256, 64, 8, 3), MXBlocks(128, 128, 128, 8, 3),
-                       MXBlocks(64, 128, 64, 4, 4), MXBlocks(128, 128, 64, 4, 4), MXBlocks(64, 256, 64, 8, 4)]
-        if quick:
-            configs = configs[:2]
-        best_kernel(case, lambda b: (lambda x, w: mx_matmul(x, w, blocks=b)), configs, (x, w), flops, wbytes,
-                    loop=m <= 16)
+        configs = dense_configs(m)[:2] if quick else dense_configs(m)
+        for blocks in configs[:1] + configs[-1:]:
+            err = rel_err(mx_matmul(x, w, blocks=blocks), decode_dot(x, w))
+            print(f"  {case} {label(blocks)}: rel err vs XLA decode-then-dot {err:.2e}", flush=True)
+        best = best_kernel(case, lambda b: (lambda x, w: mx_matmul(x, w, blocks=b)), configs, (x, w), flops, wbytes,
+                           loop=m <= 16)
         record(case, "XLA decode-then-dot", timed(decode_dot, x, w), flops, wbytes)
         record(case, "XLA bf16 dot (bf16 weights)", timed(bf16_dot, x, w_bf16), flops, wbytes)
         if m <= 16:
@@ -188,9 +277,8 @@ def bench_dense(key, quick: bool) -> None:
             record(case, "XLA bf16 dot, in-jit loop", t, flops, wbytes)
         xq = MXTensor.quantize(x, "mxfp8")
         try:
-            best = MXBlocks(16, 64, 256, 4, 4) if m <= 16 else MXBlocks(128, 128, 64, 8, 3)
             record(case, "pallas W4A8 (MXFP8 x)", timed(jax.jit(lambda x, w: mx_matmul(x, w, blocks=best)), xq, w),
-                   flops, wbytes)
+                   flops, wbytes, label(best) if best else "default")
         except Exception as e:
             print(f"  {case} W4A8 FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
     del w, w_bf16
@@ -206,7 +294,7 @@ def routing(key, tokens: int, experts: int = 896, top_k: int = 16) -> jax.Array:
 def bench_grouped(key, quick: bool) -> None:
     e = 896
     shapes = [("gate+up", 2 * 3072, 3584), ("down", 3584, 3072)]
-    batches = [1, 64] if quick else [1, 8, 64, 8192]
+    batches = [1, 64] if quick else [1, 64, 8192]
     ragged = jax.jit(lambda x, wb, gs: jax.lax.ragged_dot(x, wb, gs, preferred_element_type=jnp.float32).astype(x.dtype))
     dense = jax.jit(lambda x, wb: jnp.dot(x, wb, preferred_element_type=jnp.float32).astype(x.dtype))
     for name, n, k in shapes:
@@ -222,9 +310,11 @@ def bench_grouped(key, quick: bool) -> None:
             wbytes = active * w.nbytes / e  # bytes of the experts this batch touches
             case = f"{name} tokens={tokens}"
             if tokens <= 64:
-                configs = [MXBlocks(16, 32, 512, 4, 3), MXBlocks(16, 64, 256, 4, 3)]
+                configs = [default_blocks(m, grouped=True), MXBlocks(16, 128, 256, 4, 3, weights_lhs=True),
+                           MXBlocks(16, 64, 256, 4, 3)]
             else:
-                configs = [MXBlocks(128, 128, 64, 4, 4), MXBlocks(128, 128, 64, 8, 3)]
+                configs = [default_blocks(m, grouped=True), MXBlocks(128, 128, 128, 8, 3),
+                           MXBlocks(64, 128, 64, 4, 4, weights_lhs=True)]
             if quick:
                 configs = configs[:2]
             best_kernel(case, lambda b: (lambda x, w, gs: grouped_mx_matmul(x, w, gs, blocks=b)), configs,

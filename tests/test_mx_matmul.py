@@ -13,10 +13,15 @@ from pallas_kernels.mx_matmul import (
     mx_matmul,
     mx_matmul_reference,
 )
+from pallas_kernels.mx_matmul.kernel import decode_mxfp4_pallas
+from pallas_kernels.mx_matmul.ops import _kernel_weight_layout
 from reference_numpy import rel_err
 
 # Small tiles so that every kernel loops over several row, column and contracted tiles.
-SMALL = MXBlocks(bm=16, bn=32, bk=64)
+SMALL = MXBlocks(bm=16, bn=32, bk=64)  # PTX decode (its jnp emulation here), x . w^T
+SMALL_LHS = MXBlocks(bm=16, bn=32, bk=64, weights_lhs=True)  # (w . x^T)^T
+SMALL_ARITH = MXBlocks(bm=16, bn=32, bk=64, weights_lhs=True, decode="arith")
+DECODE_THEN_DOT = MXBlocks(bn=32, bk=64, decode_then_dot=True)
 N, K = 96, 160  # K = 5 scale blocks: not a power of two, not a multiple of bk
 
 
@@ -36,6 +41,28 @@ def test_mx_matmul_matches_reference(weight, m):
     out = mx_matmul(x, weight, blocks=SMALL)
     assert out.shape == (m, N) and out.dtype == jnp.float32
     assert rel_err(out, mx_matmul_reference(x, weight)) < 1e-5
+
+
+@pytest.mark.parametrize("blocks,m", [(SMALL_LHS, 1), (SMALL_LHS, 100), (SMALL_ARITH, 7), (DECODE_THEN_DOT, 7)])
+def test_mx_matmul_paths_match_reference(weight, blocks, m):
+    x = bf16_normal(jax.random.key(20 + m), (m, K))
+    assert rel_err(mx_matmul(x, weight, blocks=blocks), mx_matmul_reference(x, weight)) < 1e-5
+
+
+@pytest.mark.parametrize("decode", ["ptx", "arith"])
+def test_decode_kernel_bit_exact(decode):
+    """Every code byte, scale bytes 1..254 (random): the Pallas decode equals XLA's, bit for bit."""
+    n, k = 32, 256
+    codes = jax.random.bits(jax.random.key(12), (n, k // 2), jnp.uint8).at[0].set(jnp.arange(128, dtype=jnp.uint8))
+    codes = codes.at[1].set(jnp.arange(128, 256).astype(jnp.uint8))
+    scales = jax.random.randint(jax.random.key(13), (n, k // 32), 1, 255).astype(jnp.uint8)
+    w = MXTensor(codes, scales, "mxfp4")
+    out = decode_mxfp4_pallas(*_kernel_weight_layout(w, n), blocks=MXBlocks(bn=16, bk=64, decode=decode),
+                              interpret=True)
+    ref = w.decode(jnp.bfloat16)
+    planar = np.asarray(out).view(np.uint16)
+    np.testing.assert_array_equal(planar[:, 0], np.asarray(ref[:, 0::2]).view(np.uint16))
+    np.testing.assert_array_equal(planar[:, 1], np.asarray(ref[:, 1::2]).view(np.uint16))
 
 
 def test_mx_matmul_bf16_input_default_blocks(weight):
@@ -68,10 +95,11 @@ def experts():
     return MXTensor.quantize(jax.random.normal(jax.random.key(11), (G, N, K)) * 0.05)
 
 
-def test_grouped_matches_ragged_reference(experts):
+@pytest.mark.parametrize("blocks", [SMALL, SMALL_LHS])
+def test_grouped_matches_ragged_reference(experts, blocks):
     m = 50
     x = bf16_normal(jax.random.key(7), (m, K))
-    out = grouped_mx_matmul(x, experts, GROUP_SIZES, blocks=SMALL)
+    out = grouped_mx_matmul(x, experts, GROUP_SIZES, blocks=blocks)
     ref = grouped_mx_matmul_reference(x, experts, GROUP_SIZES)
     assert out.shape == (m, N)
     assert rel_err(out, ref) < 1e-5
@@ -106,3 +134,5 @@ def test_shape_errors(weight, experts):
         grouped_mx_matmul(jnp.ones((4, K)), weight, GROUP_SIZES)
     with pytest.raises(ValueError, match=r"group_sizes must be \[G\]"):
         grouped_mx_matmul(jnp.ones((4, K)), experts, GROUP_SIZES[:3])
+    with pytest.raises(ValueError, match="dense only"):
+        grouped_mx_matmul(jnp.ones((4, K)), experts, GROUP_SIZES, blocks=DECODE_THEN_DOT)

@@ -7,6 +7,12 @@ group g multiply w[g]; groups may be empty; rows past sum(group_sizes) give zero
 x is either a float array (W4A16: rounded to bf16 for the matrix units) or an MXFP8 ``MXTensor``
 (W4A8). Interpret mode is chosen by ``k3jax.implementation.pallas_interpret()`` (True on CPU)
 unless ``interpret=`` is given.
+
+Dispatch by M (``default_blocks``): up to ``DECODE_THEN_DOT_MIN_M`` rows the fused kernel
+decodes each weight tile in registers (weight streaming; transposed product for small M); from
+there on (dense only) the weight is decoded once into a bf16 copy by ``decode_mxfp4_pallas`` and
+XLA's bf16 dot (cuBLAS) does the product, since a fused kernel decodes every weight tile again for
+each row tile.
 """
 
 from __future__ import annotations
@@ -20,19 +26,33 @@ import jax.numpy as jnp
 from k3jax.implementation import pallas_interpret
 from k3jax.mx import BLOCK, ZERO_BLOCK_SCALE_BYTE, MXTensor
 from k3jax.typing import Array
-from pallas_kernels.mx_matmul.kernel import MXBlocks, grouped_mx_matmul_pallas, mx_matmul_pallas
+from pallas_kernels.mx_matmul.kernel import (
+    SCALE_BLOCK_BYTES,
+    MXBlocks,
+    decode_mxfp4_pallas,
+    grouped_mx_matmul_pallas,
+    mx_matmul_pallas,
+)
 
 _MIN_TILE = 16  # smallest M and N tile of a GPU matrix instruction
+DECODE_THEN_DOT_MIN_M = 512  # dense rows from which decode-then-cuBLAS beats the fused kernel
 
 
 def default_blocks(m: int, grouped: bool = False) -> MXBlocks:
-    """Tile sizes by the number of rows M: the best of the H200 sweep in benchmarks/RESULTS.md
-    for decode-sized M (weight streaming) and for M >= 4096 (compute); the middle is unmeasured."""
-    if m <= 16 or (grouped and m <= 4096):
-        return MXBlocks(bm=16, bn=64, bk=256, num_warps=4, num_stages=3)
+    """Tile sizes and method by the number of rows M, the best of the H200 sweep in
+    benchmarks/RESULTS.md at dense M = 1, 16, 512, 4096 and grouped decode / prefill; the rows
+    between (dense 17..511) are unmeasured."""
+    if grouped:
+        if m <= 4096:
+            return MXBlocks(bm=16, bn=64, bk=256, num_warps=4, num_stages=3)
+        return MXBlocks(bm=128, bn=128, bk=64, num_warps=4, num_stages=4)
+    if m <= 16:
+        return MXBlocks(bm=16, bn=64, bk=256, num_warps=4, num_stages=3, weights_lhs=True)
     if m <= 128:
-        return MXBlocks(bm=32, bn=64, bk=256, num_warps=4, num_stages=3)
-    return MXBlocks(bm=128, bn=128, bk=64, num_warps=4, num_stages=4)
+        return MXBlocks(bm=32, bn=64, bk=256, num_warps=4, num_stages=3, weights_lhs=True)
+    if m < DECODE_THEN_DOT_MIN_M:
+        return MXBlocks(bm=128, bn=128, bk=64, num_warps=4, num_stages=4)
+    return MXBlocks(bn=32, bk=512, num_warps=4, decode_then_dot=True)
 
 
 def _largest_pow2_divisor(n: int, cap: int) -> int:
@@ -74,16 +94,24 @@ def _pad_axis(a: Array, axis: int, size: int, value) -> Array:
     return jnp.pad(a, widths, constant_values=value)
 
 
+def _kernel_weight_layout(w: MXTensor, n_pad: int) -> tuple[Array, Array]:
+    """Pad weight rows to n_pad (zero codes, unit scales) and view codes [..., N, K/2] as
+    [..., N, K/32, 16] and scales [..., N, K/32] as [..., N, K/32, 1] (free reshapes), so a
+    kernel's scale broadcast is over a size-1 axis."""
+    codes = _pad_axis(w.codes, w.ndim - 2, n_pad, 0)
+    scales = _pad_axis(w.scales, w.ndim - 2, n_pad, ZERO_BLOCK_SCALE_BYTE)
+    codes = codes.reshape(*codes.shape[:-1], codes.shape[-1] // SCALE_BLOCK_BYTES, SCALE_BLOCK_BYTES)
+    return codes, scales[..., None]
+
+
 def _prepare(x: Array | MXTensor, w: MXTensor, m_pad: int, n_pad: int):
-    """Pad rows of x to m_pad and weight rows to n_pad (zero codes, unit scales); split x into its
-    even and odd columns [M, K/2], the elements the low and high nibbles of each code byte meet."""
+    """Pad rows of x to m_pad, split x into its even and odd columns [M, K/2], the elements the low
+    and high nibbles of each code byte meet; weights in the kernel layout."""
     if isinstance(x, MXTensor):
         xv, xs = _pad_axis(x.codes, 0, m_pad, 0), _pad_axis(x.scales, 0, m_pad, ZERO_BLOCK_SCALE_BYTE)
     else:
         xv, xs = _pad_axis(x.astype(jnp.bfloat16), 0, m_pad, 0), None
-    codes = _pad_axis(w.codes, w.ndim - 2, n_pad, 0)
-    scales = _pad_axis(w.scales, w.ndim - 2, n_pad, ZERO_BLOCK_SCALE_BYTE)
-    return xv[:, 0::2], xv[:, 1::2], xs, codes, scales
+    return (xv[:, 0::2], xv[:, 1::2], xs, *_kernel_weight_layout(w, n_pad))
 
 
 def _resolve(x, out_dtype, interpret):
@@ -92,11 +120,24 @@ def _resolve(x, out_dtype, interpret):
     return jnp.dtype(out_dtype), pallas_interpret() if interpret is None else interpret
 
 
+def _decode_then_dot(x, w: MXTensor, blocks: MXBlocks, n_pad: int, out_dtype, interpret: bool) -> Array:
+    """Decode w once to bf16 [N, K] (even columns, then odd) with the Pallas decode kernel, and
+    multiply x with its columns in the same order by XLA's bf16 dot (float32 accumulation)."""
+    n, k = w.shape
+    w_planar = decode_mxfp4_pallas(*_kernel_weight_layout(w, n_pad), blocks=blocks, interpret=interpret)
+    xv = x.decode(jnp.bfloat16) if isinstance(x, MXTensor) else x.astype(jnp.bfloat16)
+    x_planar = jnp.concatenate([xv[:, 0::2], xv[:, 1::2]], axis=1)
+    out = jnp.dot(x_planar, w_planar.reshape(n_pad, k).T, preferred_element_type=jnp.float32)
+    return out[:, :n].astype(out_dtype)
+
+
 @functools.partial(jax.jit, static_argnames=("blocks", "out_dtype", "interpret"))
 def _mx_matmul(x, w, *, blocks, out_dtype, interpret):
     m, n, k = _check(x, w, 2)
     n_pad = -(-n // _MIN_TILE) * _MIN_TILE
     b = _fit_blocks(blocks, m, n_pad, k)
+    if b.decode_then_dot:
+        return _decode_then_dot(x, w, b, n_pad, out_dtype, interpret)
     m_pad = -(-m // b.bm) * b.bm
     x_even, x_odd, xs, codes, scales = _prepare(x, w, m_pad, n_pad)
     out = mx_matmul_pallas(x_even, x_odd, xs, codes, scales, blocks=b, out_dtype=out_dtype, interpret=interpret)
@@ -113,6 +154,7 @@ def mx_matmul(
 ) -> Array:
     """x [M, K] (bf16/f32, or MXFP8 ``MXTensor`` for W4A8) times MXFP4 w [N, K] -> [M, N].
 
+    blocks defaults to ``default_blocks(M)``, which also picks the method (module docstring).
     out_dtype defaults to x's dtype (bf16 for MXFP8 x); accumulation is float32.
     """
     out_dtype, interpret = _resolve(x, out_dtype, interpret)
@@ -148,6 +190,8 @@ def _grouped_mx_matmul(x, w, group_sizes, *, blocks, out_dtype, interpret):
     g = w.shape[0]
     if group_sizes.shape != (g,):
         raise ValueError(f"group_sizes must be [G] = [{g}], got {group_sizes.shape}")
+    if blocks.decode_then_dot:
+        raise ValueError("decode_then_dot is dense only; grouped_mx_matmul always runs the fused kernel")
     n_pad = -(-n // _MIN_TILE) * _MIN_TILE
     b = _fit_blocks(blocks, m, n_pad, k)
     m_pad = -(-m // b.bm) * b.bm
