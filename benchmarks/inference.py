@@ -64,7 +64,7 @@ def main() -> None:
     ap.add_argument("--impl", default="pallas", choices=["pallas", "reference"])
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--prompt", type=int, default=128)
-    ap.add_argument("--prefill", type=int, default=8192)
+    ap.add_argument("--prefill", type=int, default=8192, help="prompt tokens of the prefill timing (0: skip)")
     ap.add_argument("--preset", default="mini")
     ap.add_argument("--profile", default="", help="XLA dump folder (set XLA_FLAGS to dump there): print "
                     "where the device time of a decode step and a prefill chunk goes")
@@ -106,23 +106,24 @@ def main() -> None:
             rows.append((f"decode B={batch}", f"{step * 1e3:.2f} ms", f"floor {floor * 1e3:.2f} ms",
                          f"{step / floor:.1f}x floor", f"{batch / step:,.0f} tok/s"))
         T = args.prefill
-        gen = Generator(model, max_len=T + 16, prefill_chunk=2048)
-        prompt = [np.random.default_rng(0).integers(0, cfg.vocab_size, T).tolist()]
-        jax.block_until_ready(gen.prefill(prompt, gen.init_cache(1))[0])
-        t = time.perf_counter()
-        jax.block_until_ready(gen.prefill(prompt, gen.init_cache(1))[0])
-        seconds = time.perf_counter() - t
-        if args.profile:
-            chunk = jnp.asarray(np.asarray(prompt)[:, :2048])
-            start, lengths = jnp.zeros((1,), jnp.int32), jnp.full((1,), T, jnp.int32)
-            print(f"\n## prefill chunk of 2048 tokens (of {T})")
-            print(kernel_table(lambda: gen._extend(gen._weights, chunk, gen.init_cache(1), start, lengths)[0],
-                               dumped_source_paths(args.profile, "extend"), calls=2))
-        mla = cfg.mla
-        flops = 2 * counts.active * T + cfg.layer_types.count("mla") * 2 * T * T * mla.num_heads * (
-            mla.qk_head_dim + mla.v_head_dim)
-        rows.append((f"prefill T={T}", f"{seconds * 1e3:.0f} ms", f"{T / seconds:,.0f} tok/s",
-                     f"{flops / seconds / 1e12:.0f} TF/s", f"{flops / seconds / rate:.1%} of matmul"))
+        if T:
+            gen = Generator(model, max_len=T + 16, prefill_chunk=2048)
+            prompt = [np.random.default_rng(0).integers(0, cfg.vocab_size, T).tolist()]
+            jax.block_until_ready(gen.prefill(prompt, gen.init_cache(1))[0])
+            t = time.perf_counter()
+            jax.block_until_ready(gen.prefill(prompt, gen.init_cache(1))[0])
+            seconds = time.perf_counter() - t
+            if args.profile:
+                chunk = jnp.asarray(np.asarray(prompt)[:, :2048])
+                start, lengths = jnp.zeros((1,), jnp.int32), jnp.full((1,), T, jnp.int32)
+                print(f"\n## prefill chunk of 2048 tokens (of {T})")
+                print(kernel_table(lambda: gen._extend(gen._weights, chunk, gen.init_cache(1), start, lengths)[0],
+                                   dumped_source_paths(args.profile, "extend"), calls=2))
+            mla = cfg.mla
+            flops = 2 * counts.active * T + cfg.layer_types.count("mla") * 2 * T * T * mla.num_heads * (
+                mla.qk_head_dim + mla.v_head_dim)
+            rows.append((f"prefill T={T}", f"{seconds * 1e3:.0f} ms", f"{T / seconds:,.0f} tok/s",
+                         f"{flops / seconds / 1e12:.0f} TF/s", f"{flops / seconds / rate:.1%} of matmul"))
     print(f"\n{cfg.name} ({counts.total / 1e9:.2f}B params, {counts.active / 1e9:.2f}B active), impl={args.impl}")
     for r in rows:
         print(" | ".join(f"{c:>18}" for c in r))

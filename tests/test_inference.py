@@ -98,6 +98,22 @@ def test_absorbed_mla_equals_expanded():
     assert rel_err(jnp.concatenate(outs, axis=1), expanded) < 1e-5
 
 
+def test_bf16_mla_stays_near_float32():
+    """A bf16 MLA (weights, inputs, cache; on GPU the attention matmuls then take bf16 operands)
+    stays within bf16 rounding of the float32 expanded attention, in both forms."""
+    cfg = preset("tiny").mla
+    mla = MLA(37, cfg, rngs=nnx.Rngs(3))
+    x = jax.random.normal(jax.random.key(4), (2, 11, 37))
+    exact = mla(x)
+    graph, params = nnx.split(mla)
+    half = nnx.merge(graph, jax.tree.map(lambda a: a.astype(jnp.bfloat16), params))
+    xb = x.astype(jnp.bfloat16)
+    absorbed, _ = half.extend(xb, half.init_cache(2, 16, jnp.bfloat16), jnp.zeros(2, jnp.int32))
+    for out in (half(xb), absorbed):
+        assert out.dtype == jnp.bfloat16
+        assert rel_err(out.astype(jnp.float32), exact) < 3e-2
+
+
 def test_greedy_generation_matches_full_forward_argmax(small_model, generators):
     gen = generators["chunked"]
     prompts = [list(r[:n]) for r, n in zip(sequences(small_model.cfg, seed=2), PROMPT_LENGTHS)]

@@ -10,17 +10,27 @@ from k3jax.typing import Array
 _HI = jax.lax.Precision.HIGHEST
 
 
+def _matmul(spec: str, a: Array, b: Array, dtype) -> Array:
+    """einsum of a and b rounded to ``dtype`` (the attention's compute dtype: the matrix units'
+    operand type), accumulated and returned in float32. For float32 inputs: full float32. On CPU the
+    operands stay float32 (XLA's CPU backend lacks some bf16 x bf16 -> float32 products)."""
+    if jax.default_backend() == "cpu":
+        dtype = jnp.float32
+    return jnp.einsum(spec, a.astype(dtype), b.astype(dtype), precision=_HI, preferred_element_type=jnp.float32)
+
+
 def causal_attention(q: Array, k: Array, v: Array, scale: float) -> Array:
-    """Causal softmax attention, float32 scores.
+    """Causal softmax attention: float32 scores and softmax, matmul operands in the inputs' dtype.
 
     q [B, T, H, K], k [B, S, H, K], v [B, S, H, V] with S >= T: the T queries are the last T
     positions of the S keys. Returns [B, T, H, V] float32.
     """
     T, S = q.shape[1], k.shape[1]
-    scores = jnp.einsum("bthk,bshk->bhts", q.astype(jnp.float32), k.astype(jnp.float32), precision=_HI) * scale
+    dtype = jnp.result_type(q, k, v)
+    scores = _matmul("bthk,bshk->bhts", q, k, dtype) * scale
     visible = jnp.arange(S)[None, :] <= jnp.arange(S - T, S)[:, None]  # [T, S]
     probs = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
-    return jnp.einsum("bhts,bshv->bthv", probs, v.astype(jnp.float32), precision=_HI)
+    return _matmul("bhts,bshv->bthv", probs, v, dtype)
 
 
 def mla_keys_values(c_kv_normed: Array, k_pe: Array, kv_b: Array, num_heads: int, nope_dim: int) -> tuple[Array, Array]:
@@ -44,18 +54,19 @@ def absorbed_attention(
     q_nope [B, T, H, N], q_pe [B, T, H, P]; the cache c_kv [B, S, R] (after kv_a_layernorm) and
     k_pe [B, S, P]; kv_b [H*(N+V), R]; visible [B, T, S] bool. With W_UK, W_UV the key and value rows
     of kv_b per head: q_lat = q_nope W_UK [B, T, H, R]; scores = q_lat . c_kv + q_pe . k_pe;
-    o = (p c_kv) W_UV. Equals the expanded form exactly in exact arithmetic. Returns [B, T, H, V] f32.
+    o = (p c_kv) W_UV. Equals the expanded form exactly in exact arithmetic. Matmul operands are
+    rounded to the cache's dtype (bf16 caches run on the matrix units), scores, softmax and
+    accumulation are float32. Returns [B, T, H, V] f32.
     """
     H, N = q_nope.shape[2], q_nope.shape[3]
-    f32 = lambda a: a.astype(jnp.float32)
-    w = f32(kv_b).reshape(H, -1, kv_b.shape[-1])  # [H, N+V, R]
+    dtype = c_kv.dtype
+    w = kv_b.reshape(H, -1, kv_b.shape[-1])  # [H, N+V, R]
     w_uk, w_uv = w[:, :N], w[:, N:]
-    q_lat = jnp.einsum("bthn,hnr->bthr", f32(q_nope), w_uk, precision=_HI)
-    scores = jnp.einsum("bthr,bsr->bhts", q_lat, f32(c_kv), precision=_HI)
-    scores = (scores + jnp.einsum("bthp,bsp->bhts", f32(q_pe), f32(k_pe), precision=_HI)) * scale
-    probs = jax.nn.softmax(jnp.where(visible[:, None], scores, -jnp.inf), axis=-1)
-    o_lat = jnp.einsum("bhts,bsr->bthr", probs, f32(c_kv), precision=_HI)
-    return jnp.einsum("bthr,hvr->bthv", o_lat, w_uv, precision=_HI)
+    q_lat = _matmul("bthn,hnr->bthr", q_nope, w_uk, dtype)
+    scores = _matmul("bthr,bsr->bhts", q_lat, c_kv, dtype) + _matmul("bthp,bsp->bhts", q_pe, k_pe, dtype)
+    probs = jax.nn.softmax(jnp.where(visible[:, None], scores * scale, -jnp.inf), axis=-1)
+    o_lat = _matmul("bhts,bsr->bthr", probs, c_kv, dtype)
+    return _matmul("bthr,hvr->bthv", o_lat, w_uv, dtype)
 
 
 __all__ = ["causal_attention", "mla_keys_values", "absorbed_attention"]
