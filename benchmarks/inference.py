@@ -117,11 +117,13 @@ def main() -> None:
                 chunk = jnp.asarray(np.asarray(prompt)[:, :2048])
                 start, lengths = jnp.zeros((1,), jnp.int32), jnp.full((1,), T, jnp.int32)
                 print(f"\n## prefill chunk of 2048 tokens (of {T})")
-                print(kernel_table(lambda: gen._extend(gen._weights, chunk, gen.init_cache(1), start, lengths)[0],
+                last = jnp.full((1,), 2047, jnp.int32)
+                print(kernel_table(lambda: gen._extend(gen._weights, chunk, gen.init_cache(1), start, lengths, last)[0],
                                    dumped_source_paths(args.profile, "extend"), calls=2))
             mla = cfg.mla
-            flops = 2 * counts.active * T + cfg.layer_types.count("mla") * 2 * T * T * mla.num_heads * (
-                mla.qk_head_dim + mla.v_head_dim)
+            head = cfg.vocab_size * cfg.hidden_size  # the output head runs on each prompt's last token only
+            flops = 2 * (counts.active - head) * T + 2 * head + cfg.layer_types.count("mla") * 2 * T * T * (
+                mla.num_heads * (mla.qk_head_dim + mla.v_head_dim))
             rows.append((f"prefill T={T}", f"{seconds * 1e3:.0f} ms", f"{T / seconds:,.0f} tok/s",
                          f"{flops / seconds / 1e12:.0f} TF/s", f"{flops / seconds / rate:.1%} of matmul"))
     print(f"\n{cfg.name} ({counts.total / 1e9:.2f}B params, {counts.active / 1e9:.2f}B active), impl={args.impl}")

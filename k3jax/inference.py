@@ -72,9 +72,9 @@ class Generator:
         self._decode = jax.jit(self._decode_fn, donate_argnums=2, static_argnames="sampling")
         self._sample = jax.jit(sample, static_argnames="sampling")
 
-    def _extend_fn(self, weights, tokens, cache, start, lengths):
+    def _extend_fn(self, weights, tokens, cache, start, lengths, logits_at=None):
         model = nnx.merge(self._graph, jax.tree_util.tree_unflatten(self._treedef, weights))
-        return model.extend(tokens, cache, start, lengths, self.scan_layers)
+        return model.extend(tokens, cache, start, lengths, self.scan_layers, logits_at)
 
     def _decode_fn(self, weights, tokens, cache, positions, key, sampling):
         logits, cache = self._extend_fn(weights, tokens[:, None], cache, positions, positions + 1)
@@ -120,11 +120,11 @@ class Generator:
         lengths_dev = jnp.asarray(lengths)
         for start in range(0, total, chunk):
             starts = jnp.full((len(prompts),), start, jnp.int32)
+            index = np.clip(lengths - 1 - start, 0, chunk - 1)  # each prompt's last token, within the chunk
             logits, cache = self._extend(self._weights, jnp.asarray(tokens[:, start : start + chunk]), cache,
-                                         starts, lengths_dev)
-            index = np.clip(lengths - 1 - start, 0, chunk - 1)
+                                         starts, lengths_dev, jnp.asarray(index, jnp.int32))
             here = (lengths - 1 >= start) & (lengths - 1 < start + chunk)
-            last = jnp.where(jnp.asarray(here)[:, None], logits[np.arange(len(prompts)), index], last)
+            last = jnp.where(jnp.asarray(here)[:, None], logits[:, 0], last)
         return last, cache
 
     def generate(

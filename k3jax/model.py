@@ -202,7 +202,10 @@ class K3Model(nnx.Module):
             cache.append(entries)
         return cache
 
-    def _forward(self, tokens: Array, cache: list | None, ctx: Positions | None, scan_layers: bool = True):
+    def _forward(
+        self, tokens: Array, cache: list | None, ctx: Positions | None, scan_layers: bool = True,
+        logits_at: Array | None = None,
+    ):
         cfg = self.cfg
         x = self.embed_tokens(tokens)
         block = cfg.attn_res_block_size
@@ -226,6 +229,8 @@ class K3Model(nnx.Module):
                 x, out_weights = self.output_attn_res(blocks, n, partial)
         else:
             x = carry
+        if logits_at is not None:
+            x = x[jnp.arange(x.shape[0]), logits_at][:, None]
         with jax.named_scope("lm_head"):
             logits = self.lm_head(self.norm(x)).astype(jnp.float32)
         mix = MixWeights(jnp.concatenate(weights), out_weights) if block else None
@@ -244,14 +249,16 @@ class K3Model(nnx.Module):
         return logits, mix
 
     def extend(
-        self, tokens: Array, cache: list, start: Array, lengths: Array, scan_layers: bool = True
+        self, tokens: Array, cache: list, start: Array, lengths: Array, scan_layers: bool = True,
+        logits_at: Array | None = None,
     ) -> tuple[Array, list]:
         """Continue cached sequences: tokens [B, T] at positions start[b] + t; a sequence's tokens at
         or beyond lengths[b] are right padding. Returns (logits [B, T, V] float32, the new cache).
         Used for prefill chunks (T tokens) and decode steps (T = 1); the cache must have been made
-        by ``init_cache`` with the same ``scan_layers``."""
+        by ``init_cache`` with the same ``scan_layers``. ``logits_at`` [B] (indices into the T new
+        tokens) computes the head at one token per sequence only: logits [B, 1, V]."""
         valid = start[:, None] + jnp.arange(tokens.shape[1]) < lengths[:, None]
-        logits, _, cache = self._forward(tokens, cache, Positions(start, valid), scan_layers)
+        logits, _, cache = self._forward(tokens, cache, Positions(start, valid), scan_layers, logits_at)
         return logits, cache
 
 
