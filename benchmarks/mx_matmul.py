@@ -1,10 +1,16 @@
 """MX matmul benchmark on one GPU: our Pallas kernels against XLA peers, in one run.
 
-    python3 benchmarks/mx_matmul.py [--quick] [--skip check,dense,grouped]
+    python3 benchmarks/mx_matmul.py [--quick] [--skip check,dense,grouped] [--only decode]
+
+``--only decode``: the batch-1 question in about two minutes: a shorter correctness section (default
+and one-row gemv paths), dense M = 1 and 16 (default tiles, gemv variants, XLA decode-then-dot, bf16
+dot) and grouped at 1 token (default, gemv variants, ragged_dot); no decode-only, W4A8 timing or
+in-jit loop rows.
 
 1. Correctness on this GPU: the Pallas decode (PTX and arith, and the PTX emulation run in
-   interpret mode) bit for bit against XLA's decode; every kernel path vs the float32 references
-   (reference.py) on small random shapes; vs XLA decode-then-dot at the benchmark shapes.
+   interpret mode) bit for bit against XLA's decode; every kernel path (one-row gemv included) vs
+   the float32 references (reference.py) on small random shapes; vs XLA decode-then-dot at the
+   benchmark shapes.
 2. Dense: x [M, 3584] @ MXFP4 w [49152, 3584]^T (16 x 3072 outputs), M = 1, 16 (weight-streaming;
    effective weight bandwidth = MXFP4 bytes / time) and M = 4096 (TFLOP/s). Peers: XLA
    decode-then-dot and a bf16 dot of the same shape.
@@ -14,9 +20,11 @@
    3072 -> 3584, decode batch 1, 8, 64 and prefill 8192 tokens. Peer: ``jax.lax.ragged_dot`` on
    bf16 weights.
 
-Each kernel runs a few tile configurations; the best is reported. Times are medians of repeated
-host-timed runs of back-to-back asynchronous calls (``loop`` rows: the call repeated inside one
-jitted ``fori_loop``, which removes host dispatch from the time). The table is printed last.
+Each kernel runs a few tile configurations (a failing one is printed and skipped); the best of the
+dot kernels and the best of the one-row gemv kernels (``MXBlocks.gemv``) are reported apart. Times
+are medians of repeated host-timed runs of back-to-back asynchronous calls (``loop`` rows: the call
+repeated inside one jitted ``fori_loop``, which removes host dispatch from the time). The table is
+printed last.
 """
 
 from __future__ import annotations
@@ -122,6 +130,8 @@ def label(b: MXBlocks) -> str:
     """Short name of a configuration: tiles, launch settings, method."""
     if b.decode_then_dot:
         return f"decode {b.bn}x{b.bk} w{b.num_warps} {b.decode} + XLA dot"
+    if b.gemv:
+        return f"gemv 1x{b.bn}x{b.bk} w{b.num_warps} s{b.num_stages} {b.decode}"
     return f"{b.bm}x{b.bn}x{b.bk} w{b.num_warps} s{b.num_stages} {b.decode}{' lhs' if b.weights_lhs else ''}"
 
 
@@ -153,12 +163,20 @@ def guarded(what: str, fn) -> None:
         print(f"  {what}: FAILED {type(e).__name__}: {str(e)[:600]}", flush=True)
 
 
-def check_correctness(key) -> None:
+def gemv(bn: int, bk: int, num_warps: int, decode: str = "ptx") -> MXBlocks:
+    return MXBlocks(1, bn, bk, num_warps, 3, decode=decode, gemv=True)
+
+
+def check_correctness(key, focus: bool) -> None:
+    """focus: only the default and one-row gemv paths (dense, W4A8, grouped)."""
     print("== correctness on device", flush=True)
     k = jax.random.split(key, 8)
     guarded("decode", lambda: check_decode(k[7]))
-    paths = [None, MXBlocks(16, 64, 256, weights_lhs=False), MXBlocks(16, 64, 256, weights_lhs=True, decode="arith"),
-             MXBlocks(bn=32, bk=256, decode_then_dot=True)]
+    one_row, decode_then_dot = gemv(64, 256, 4), MXBlocks(bn=32, bk=256, decode_then_dot=True)
+    paths = [None, one_row] if focus else [
+        None, MXBlocks(16, 64, 256, weights_lhs=False), MXBlocks(16, 64, 256, weights_lhs=True, decode="arith"),
+        one_row, gemv(32, 512, 4, "arith"), decode_then_dot]
+    w4a8_paths = [None, one_row] if focus else [None, one_row, decode_then_dot]
 
     def dense(x, w, blocks, ref, what):
         out = mx_matmul(x, w, out_dtype=jnp.float32, blocks=blocks)
@@ -173,7 +191,7 @@ def check_correctness(key) -> None:
             guarded(f"M={m} {blocks}", lambda: dense(x, w, blocks, ref, f"mx_matmul M={m} N={n} K={kk}"))
         xq = MXTensor.quantize(jax.random.normal(k[2], (m, kk)), "mxfp8")
         ref = mx_matmul_reference(xq, w)
-        for blocks in (None, paths[-1]):
+        for blocks in w4a8_paths:
             guarded(f"W4A8 M={m} {blocks}", lambda: dense(xq, w, blocks, ref, f"W4A8 M={m} N={n} K={kk}"))
     g, n, kk, m = 9, 352, 224, 300
     w = MXTensor.quantize(jax.random.normal(k[3], (g, n, kk)))
@@ -186,14 +204,21 @@ def check_correctness(key) -> None:
         print(f"  {what}: rel err {rel_err(out, ref):.2e}, tail max {float(jnp.max(jnp.abs(out[285:]))):.1e}",
               flush=True)
 
-    for blocks in [MXBlocks(16, 64, 64, weights_lhs=True), MXBlocks(16, 64, 64), MXBlocks(64, 32, 32)]:
-        guarded(f"grouped {blocks}", lambda: grouped(x, blocks, ref, f"grouped {label(blocks)}"))
+    grouped_paths = [None, gemv(64, 64, 4)] if focus else [
+        MXBlocks(16, 64, 64, weights_lhs=True), MXBlocks(16, 64, 64), MXBlocks(64, 32, 32), gemv(64, 64, 4)]
+    for blocks in grouped_paths:
+        name = "default" if blocks is None else label(blocks)
+        guarded(f"grouped {blocks}", lambda: grouped(x, blocks, ref, f"grouped {name}"))
     xq = MXTensor.quantize(jax.random.normal(k[5], (m, kk)), "mxfp8")
-    guarded("grouped W4A8", lambda: grouped(xq, None, grouped_mx_matmul_reference(xq, w, sizes), "grouped W4A8 default"))
+    ref = grouped_mx_matmul_reference(xq, w, sizes)
+    for blocks in (None, gemv(64, 64, 4)):
+        name = "default" if blocks is None else label(blocks)
+        guarded(f"grouped W4A8 {blocks}", lambda: grouped(xq, blocks, ref, f"grouped W4A8 {name}"))
 
 
-def best_kernel(case, fn_of_blocks, configs, args, flops, wbytes, loop: bool = False):
-    """Time fn_of_blocks(blocks) over configs; record the best; optionally its in-jit loop time."""
+def best_kernel(case, fn_of_blocks, configs, args, flops, wbytes, loop: bool = False, impl: str = "pallas mx"):
+    """Time fn_of_blocks(blocks) over configs; record the best as impl; optionally its in-jit loop
+    time. Returns the best blocks, or None when configs is empty or none compiled."""
     best = None
     for blocks in configs:
         name = label(blocks)
@@ -207,16 +232,25 @@ def best_kernel(case, fn_of_blocks, configs, args, flops, wbytes, loop: bool = F
             best = (t, blocks, name)
     if best is None:
         return None
-    record(case, "pallas mx (best tiles)", best[0], flops, wbytes, best[2])
+    record(case, f"{impl} (best tiles)", best[0], flops, wbytes, best[2])
     if loop:
         reps = 50
         t = timed(looped(fn_of_blocks(best[1]), reps), *args, max_iters=3) / reps
-        record(case, "pallas mx, in-jit loop", t, flops, wbytes, best[2])
+        record(case, f"{impl}, in-jit loop", t, flops, wbytes, best[2])
     return best[1]
 
 
+def gemv_configs(m: int) -> list[MXBlocks]:
+    """One-row (gemv) configurations timed at dense M rows: six at M = 1, two more rows at M <= 16,
+    none above (each row of x decodes every weight tile again)."""
+    if m == 1:
+        return [gemv(bn, bk, w) for bn, bk, w in
+                [(32, 256, 4), (32, 512, 4), (64, 256, 4), (64, 512, 8), (128, 256, 8), (128, 512, 8)]]
+    return [gemv(64, 256, 4), gemv(128, 256, 8)] if m <= 16 else []
+
+
 def dense_configs(m: int) -> list[MXBlocks]:
-    """Tile configurations timed at M rows (default_blocks first)."""
+    """Tile configurations of the dot kernels timed at M rows (default_blocks first)."""
     if m <= 16:
         return [default_blocks(m)] + [MXBlocks(16, bn, bk, w, 3, weights_lhs=True)
                                       for bn, bk, w in [(64, 256, 4), (128, 256, 4), (128, 512, 8)]] + [
@@ -251,27 +285,36 @@ def bench_decode(w: MXTensor, quick: bool) -> None:
     record("decode only [49152, 3584]", "XLA decode", t, 0.0, w.nbytes, f"{moved / t / 1e12:.2f} TB/s read+written")
 
 
-def bench_dense(key, quick: bool) -> None:
+def bench_dense(key, quick: bool, focus: bool) -> None:
+    """focus: M = 1, 16 only; default tiles, gemv variants and the XLA peers (no decode-only, in-jit
+    loop or W4A8 rows)."""
     print("== dense: x [M, 3584] @ MXFP4 [49152, 3584]^T", flush=True)
     n, k = 16 * 3072, 3584
     kw, kx = jax.random.split(key)
     w = random_mx(kw, (n, k))
     w_bf16 = w.decode(jnp.bfloat16)
     wbytes = w.nbytes
-    bench_decode(w, quick)
+    if not focus:
+        bench_decode(w, quick)
     decode_dot = jax.jit(lambda x, w: jnp.dot(x, w.decode(jnp.bfloat16).T, preferred_element_type=jnp.float32).astype(x.dtype))
     bf16_dot = jax.jit(lambda x, wb: jnp.dot(x, wb.T, preferred_element_type=jnp.float32).astype(x.dtype))
-    for m in ([1, 16] if quick else [1, 16, 512, 4096]):
+    for m in ([1, 16] if quick or focus else [1, 16, 512, 4096]):
         x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
         case, flops = f"dense M={m}", 2.0 * m * n * k
-        configs = dense_configs(m)[:2] if quick else dense_configs(m)
-        for blocks in configs[:1] + configs[-1:]:
-            err = rel_err(mx_matmul(x, w, blocks=blocks), decode_dot(x, w))
-            print(f"  {case} {label(blocks)}: rel err vs XLA decode-then-dot {err:.2e}", flush=True)
-        best = best_kernel(case, lambda b: (lambda x, w: mx_matmul(x, w, blocks=b)), configs, (x, w), flops, wbytes,
-                           loop=m <= 16)
+        configs = dense_configs(m)[:1 if focus else 2 if quick else None]
+        gemvs = gemv_configs(m)[:2 if quick else None]
+        ref = decode_dot(x, w)
+        for blocks in dict.fromkeys(configs[:1] + configs[-1:] + gemvs[:1]):
+            guarded(f"{case} {label(blocks)}", lambda: print(
+                f"  {case} {label(blocks)}: rel err vs XLA decode-then-dot "
+                f"{rel_err(mx_matmul(x, w, blocks=blocks), ref):.2e}", flush=True))
+        fn_of_blocks = lambda b: (lambda x, w: mx_matmul(x, w, blocks=b))
+        best = best_kernel(case, fn_of_blocks, configs, (x, w), flops, wbytes, loop=m <= 16 and not focus)
+        best_kernel(case, fn_of_blocks, gemvs, (x, w), flops, wbytes, loop=m <= 16 and not focus, impl="pallas gemv")
         record(case, "XLA decode-then-dot", timed(decode_dot, x, w), flops, wbytes)
         record(case, "XLA bf16 dot (bf16 weights)", timed(bf16_dot, x, w_bf16), flops, wbytes)
+        if focus:
+            continue
         if m <= 16:
             t = timed(looped(lambda x, wb: bf16_dot(x, wb), 50), x, w_bf16, max_iters=3) / 50
             record(case, "XLA bf16 dot, in-jit loop", t, flops, wbytes)
@@ -291,10 +334,11 @@ def routing(key, tokens: int, experts: int = 896, top_k: int = 16) -> jax.Array:
     return jnp.bincount(idx.reshape(-1), length=experts).astype(jnp.int32)
 
 
-def bench_grouped(key, quick: bool) -> None:
+def bench_grouped(key, quick: bool, focus: bool) -> None:
+    """focus: 1 token only (default tiles, gemv variants, ragged_dot; no in-jit loop rows)."""
     e = 896
     shapes = [("gate+up", 2 * 3072, 3584), ("down", 3584, 3072)]
-    batches = [1, 64] if quick else [1, 64, 8192]
+    batches = [1] if focus else [1, 64] if quick else [1, 64, 8192]
     ragged = jax.jit(lambda x, wb, gs: jax.lax.ragged_dot(x, wb, gs, preferred_element_type=jnp.float32).astype(x.dtype))
     dense = jax.jit(lambda x, wb: jnp.dot(x, wb, preferred_element_type=jnp.float32).astype(x.dtype))
     for name, n, k in shapes:
@@ -315,10 +359,12 @@ def bench_grouped(key, quick: bool) -> None:
             else:
                 configs = [default_blocks(m, grouped=True), MXBlocks(128, 128, 128, 8, 3),
                            MXBlocks(64, 128, 64, 4, 4, weights_lhs=True)]
-            if quick:
-                configs = configs[:2]
-            best_kernel(case, lambda b: (lambda x, w, gs: grouped_mx_matmul(x, w, gs, blocks=b)), configs,
-                        (x, w, sizes), flops, wbytes, loop=tokens <= 64)
+            gemvs = [gemv(64, 256, 4), gemv(32, 512, 4), gemv(128, 256, 8)] if tokens == 1 else []
+            configs, gemvs = configs[:1 if focus else 2 if quick else None], gemvs[:1 if quick else None]
+            fn_of_blocks = lambda b: (lambda x, w, gs: grouped_mx_matmul(x, w, gs, blocks=b))
+            loop = tokens <= 64 and not focus
+            best_kernel(case, fn_of_blocks, configs, (x, w, sizes), flops, wbytes, loop=loop)
+            best_kernel(case, fn_of_blocks, gemvs, (x, w, sizes), flops, wbytes, loop=loop, impl="pallas gemv")
             if tokens > 64:  # XLA's ragged_dot lowering asked for 672 GiB here (H200 run, 2026-11-30)
                 print(f"  {case}: ragged_dot peer skipped (does not fit)", flush=True)
                 wd = random_bf16(kb, (k, n))
@@ -338,12 +384,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer shapes and tile configs")
     parser.add_argument("--skip", default="", help="comma list of sections to skip: check,dense,grouped")
+    parser.add_argument("--only", choices=["decode"], help="decode: batch-1 rows only (module docstring)")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
+    focus = args.only == "decode"
     print(f"jax {jax.__version__}, devices {jax.devices()}", flush=True)
     key = jax.random.key(0)
-    for name, fn in [("check", lambda: check_correctness(key)), ("dense", lambda: bench_dense(key, args.quick)),
-                     ("grouped", lambda: bench_grouped(key, args.quick))]:
+    for name, fn in [("check", lambda: check_correctness(key, focus)),
+                     ("dense", lambda: bench_dense(key, args.quick, focus)),
+                     ("grouped", lambda: bench_grouped(key, args.quick, focus))]:
         if name in skip:
             continue
         try:

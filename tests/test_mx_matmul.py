@@ -22,6 +22,8 @@ SMALL = MXBlocks(bm=16, bn=32, bk=64)  # PTX decode (its jnp emulation here), x 
 SMALL_LHS = MXBlocks(bm=16, bn=32, bk=64, weights_lhs=True)  # (w . x^T)^T
 SMALL_ARITH = MXBlocks(bm=16, bn=32, bk=64, weights_lhs=True, decode="arith")
 DECODE_THEN_DOT = MXBlocks(bn=32, bk=64, decode_then_dot=True)
+GEMV = MXBlocks(bm=1, bn=32, bk=64, gemv=True)  # one row per program, no dot
+GEMV_ARITH = MXBlocks(bm=1, bn=32, bk=64, gemv=True, decode="arith")
 N, K = 96, 160  # K = 5 scale blocks: not a power of two, not a multiple of bk
 
 
@@ -49,6 +51,20 @@ def test_mx_matmul_paths_match_reference(weight, blocks, m):
     assert rel_err(mx_matmul(x, weight, blocks=blocks), mx_matmul_reference(x, weight)) < 1e-5
 
 
+@pytest.mark.parametrize("blocks,m", [(GEMV, 1), (GEMV, 7), (GEMV_ARITH, 1)])
+def test_mx_matmul_gemv_matches_reference(weight, blocks, m):
+    x = bf16_normal(jax.random.key(30 + m), (m, K))
+    out = mx_matmul(x, weight, blocks=blocks)
+    assert out.shape == (m, N)
+    assert rel_err(out, mx_matmul_reference(x, weight)) < 1e-5
+
+
+def test_gemv_needs_one_row_blocks(weight):
+    for bad in [dict(bm=16), dict(bm=1, weights_lhs=True), dict(bm=1, decode_then_dot=True)]:
+        with pytest.raises(ValueError, match="gemv needs bm == 1"):
+            MXBlocks(gemv=True, **bad)
+
+
 @pytest.mark.parametrize("decode", ["ptx", "arith"])
 def test_decode_kernel_bit_exact(decode):
     """Every code byte, scale bytes 1..254 (random): the Pallas decode equals XLA's, bit for bit."""
@@ -72,10 +88,11 @@ def test_mx_matmul_bf16_input_default_blocks(weight):
     assert rel_err(out, mx_matmul_reference(x, weight)) < 1e-2  # bf16 output rounding
 
 
-def test_mx_matmul_w4a8_equals_quantize_then_reference(weight):
+@pytest.mark.parametrize("blocks", [SMALL, GEMV])
+def test_mx_matmul_w4a8_equals_quantize_then_reference(weight, blocks):
     x = jax.random.normal(jax.random.key(4), (7, K)) * 3.0
     xq = MXTensor.quantize(x, "mxfp8")
-    out = mx_matmul(xq, weight, blocks=SMALL, out_dtype=jnp.float32)
+    out = mx_matmul(xq, weight, blocks=blocks, out_dtype=jnp.float32)
     assert rel_err(out, mx_matmul_reference(xq, weight)) < 1e-5
     assert rel_err(out, mx_matmul_reference(x, weight)) < 0.1  # MXFP8 activations stay close
 
@@ -95,7 +112,7 @@ def experts():
     return MXTensor.quantize(jax.random.normal(jax.random.key(11), (G, N, K)) * 0.05)
 
 
-@pytest.mark.parametrize("blocks", [SMALL, SMALL_LHS])
+@pytest.mark.parametrize("blocks", [SMALL, SMALL_LHS, GEMV])
 def test_grouped_matches_ragged_reference(experts, blocks):
     m = 50
     x = bf16_normal(jax.random.key(7), (m, K))
@@ -114,9 +131,10 @@ def experts_at(w: MXTensor, g: int) -> MXTensor:
     return jax.tree_util.tree_map(lambda a: a[g], w)
 
 
-def test_grouped_w4a8_equals_quantize_then_reference(experts):
+@pytest.mark.parametrize("blocks", [SMALL, GEMV])
+def test_grouped_w4a8_equals_quantize_then_reference(experts, blocks):
     xq = MXTensor.quantize(jax.random.normal(jax.random.key(8), (50, K)), "mxfp8")
-    out = grouped_mx_matmul(xq, experts, GROUP_SIZES, blocks=SMALL, out_dtype=jnp.float32)
+    out = grouped_mx_matmul(xq, experts, GROUP_SIZES, blocks=blocks, out_dtype=jnp.float32)
     assert rel_err(out, grouped_mx_matmul_reference(xq, experts, GROUP_SIZES)) < 1e-5
 
 

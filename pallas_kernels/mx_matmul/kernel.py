@@ -9,6 +9,11 @@ a bf16), and feeds them with the matching even / odd columns of x as bf16 x bf16
 float32 accumulation to the matrix units (Hopper has no FP4 MMA). The W4A8 form decodes MXFP8
 activations the same way (an E4M3 value times a power of two is also exact in bf16).
 
+One-row form (``MXBlocks.gemv``, bm = 1): no matrix unit; each step converts the decoded planes
+to float32, multiplies them by the matching x plane broadcast over the bn rows on the CUDA cores
+and adds them into a float32 [bn, bk/2] accumulator, summed over its columns once after the loop
+(``_accumulate_products``).
+
 Two decodes (``MXBlocks.decode``), equal bit for bit:
 
 - ``"ptx"`` (GPU default): inline PTX per 32-bit word of 8 nibbles, ``_PTX_DECODE`` (one asm
@@ -61,7 +66,9 @@ class MXBlocks:
     product with the decoded weights as the dot's left operand; decode: "ptx" (inline PTX,
     emulated bit for bit in interpret mode) or "arith" (portable jnp arithmetic);
     decode_then_dot: dense only, decode the whole weight to bf16 with ``decode_mxfp4_pallas``
-    (tiles bn x bk) and let XLA do the dot. ``ops.py`` shrinks the tiles to fit a shape.
+    (tiles bn x bk) and let XLA do the dot; gemv: one row of x per program (bm must be 1),
+    products and sums on the CUDA cores instead of a dot (not with weights_lhs or
+    decode_then_dot). ``ops.py`` shrinks the tiles to fit a shape (bm to at least 16 unless gemv).
     """
 
     bm: int = 64
@@ -72,6 +79,14 @@ class MXBlocks:
     weights_lhs: bool = False
     decode: Literal["ptx", "arith"] = "ptx"
     decode_then_dot: bool = False
+    gemv: bool = False
+
+    def __post_init__(self):
+        if self.gemv and (self.bm != 1 or self.weights_lhs or self.decode_then_dot):
+            raise ValueError(
+                f"gemv needs bm == 1 and neither weights_lhs nor decode_then_dot, got bm={self.bm}, "
+                f"weights_lhs={self.weights_lhs}, decode_then_dot={self.decode_then_dot}"
+            )
 
 
 def _gpu_compiler_params(blocks: MXBlocks, interpret: bool):
@@ -251,6 +266,27 @@ def _accumulate_tiles(tiles_at, n_k: int, bm: int, bn: int, weights_lhs: bool) -
     return acc.T if weights_lhs else acc
 
 
+def _accumulate_products(tiles_at, n_k: int, bn: int, half: int) -> Array:
+    """One row of x, no dot: float32 [1, bn] = the sums over the half columns of a float32
+    [bn, half] accumulator of w_p [bn, half] * x_p [1, half] (broadcast over the bn rows) over k
+    steps i and planes p, where tiles_at(i) -> ((x_even, w_even), (x_odd, w_odd)), half = bk / 2."""
+
+    def step(i, acc):
+        for x, w in tiles_at(i):
+            acc = acc + w.astype(jnp.float32) * x.astype(jnp.float32)
+        return acc
+
+    acc = jax.lax.fori_loop(0, n_k, step, jnp.zeros((bn, half), jnp.float32))
+    return jnp.sum(acc, axis=1)[None, :]
+
+
+def _accumulate(tiles_at, n_k: int, blocks: MXBlocks) -> Array:
+    """float32 [bm, bn] output tile: products on the CUDA cores with gemv, else bf16 dots."""
+    if blocks.gemv:
+        return _accumulate_products(tiles_at, n_k, blocks.bn, blocks.bk // 2)
+    return _accumulate_tiles(tiles_at, n_k, blocks.bm, blocks.bn, blocks.weights_lhs)
+
+
 def _k_slices(i, bk: int):
     """Loop step i -> (half-width column slice of the x planes, scale-block slice)."""
     half, blocks = bk // 2, bk // BLOCK
@@ -285,8 +321,7 @@ def _mx_matmul_kernel(*refs, blocks: MXBlocks, n_k: int, w4a8: bool, interpret: 
     _, x_refs, xs_ref, codes_ref, scales_ref, o_ref = _split_refs(refs, w4a8, 0)
     every = (slice(None),)
     tiles_at = lambda i: _tiles(x_refs, xs_ref, codes_ref, scales_ref, every, every, i, blocks, interpret)
-    acc = _accumulate_tiles(tiles_at, n_k, *o_ref.shape, blocks.weights_lhs)
-    o_ref[...] = acc.astype(o_ref.dtype)
+    o_ref[...] = _accumulate(tiles_at, n_k, blocks).astype(o_ref.dtype)
 
 
 def mx_matmul_pallas(
@@ -350,7 +385,7 @@ def _grouped_kernel(*refs, blocks: MXBlocks, n_k: int, w4a8: bool, interpret: bo
         rows = pl.ds(row0, bm)
         cols = pl.ds(pl.multiple_of(n_tile * bn, bn), bn)
         tiles_at = lambda i: _tiles(x_refs, xs_ref, codes_ref, scales_ref, (rows,), (group, cols), i, blocks, interpret)
-        acc = _accumulate_tiles(tiles_at, n_k, bm, bn, blocks.weights_lhs)
+        acc = _accumulate(tiles_at, n_k, blocks)
         row_ids = row0 + jax.lax.broadcasted_iota(jnp.int32, (bm, 1), 0)
         mask = (row_ids >= lo) & (row_ids < hi)
         _masked_store(o_ref.at[rows, cols], acc.astype(o_ref.dtype), mask, interpret)

@@ -12,7 +12,8 @@ Dispatch by M (``default_blocks``): up to ``DECODE_THEN_DOT_MIN_M`` rows the fus
 decodes each weight tile in registers (weight streaming; transposed product for small M); from
 there on (dense only) the weight is decoded once into a bf16 copy by ``decode_mxfp4_pallas`` and
 XLA's bf16 dot (cuBLAS) does the product, since a fused kernel decodes every weight tile again for
-each row tile.
+each row tile. The one-row kernels (``MXBlocks.gemv``, bm = 1, both entries) are never chosen by
+default (unmeasured); pass them as ``blocks=``.
 """
 
 from __future__ import annotations
@@ -64,8 +65,9 @@ def _largest_pow2_divisor(n: int, cap: int) -> int:
 
 
 def _fit_blocks(blocks: MXBlocks, m: int, n: int, k: int) -> MXBlocks:
-    """Shrink tiles to the shape: bm <= next power of two of M, bn | N, bk | K (bk >= 32)."""
-    bm = max(_MIN_TILE, min(blocks.bm, 1 << max(m - 1, 1).bit_length()))
+    """Shrink tiles to the shape: bm <= next power of two of M (bm >= 16, or 1 with gemv), bn | N,
+    bk | K (bk >= 32)."""
+    bm = 1 if blocks.gemv else max(_MIN_TILE, min(blocks.bm, 1 << max(m - 1, 1).bit_length()))
     bn = max(_MIN_TILE, _largest_pow2_divisor(n, blocks.bn))
     bk = max(BLOCK, _largest_pow2_divisor(k, max(blocks.bk, BLOCK)))
     return dataclasses.replace(blocks, bm=bm, bn=bn, bk=bk)
@@ -165,8 +167,9 @@ def mx_matmul(
 def _work_items(group_sizes: Array, m: int, bm: int, n_items: int) -> Array:
     """group_sizes int32 [G] -> int32 [4, n_items]: (group, row tile, first row, end row) per item.
 
-    One item per (group, row tile) pair that the group's rows touch; unused items have an empty
-    row range. A group's rows are [start, end) with start = cumsum - size, clipped to M.
+    One item per (group, row tile) pair that the group's rows touch (with bm = 1: one per row);
+    unused items have an empty row range. A group's rows are [start, end) with start = cumsum -
+    size, clipped to M.
     """
     sizes = group_sizes.astype(jnp.int32)
     ends = jnp.minimum(jnp.cumsum(sizes), m)
@@ -195,7 +198,9 @@ def _grouped_mx_matmul(x, w, group_sizes, *, blocks, out_dtype, interpret):
     n_pad = -(-n // _MIN_TILE) * _MIN_TILE
     b = _fit_blocks(blocks, m, n_pad, k)
     m_pad = -(-m // b.bm) * b.bm
-    n_items = m_pad // b.bm + min(g, m) - 1  # each extra non-empty group adds at most one item
+    # Each extra non-empty group adds at most one item (a row tile it shares); one-row tiles
+    # are never shared.
+    n_items = m_pad // b.bm + (min(g, m) - 1 if b.bm > 1 else 0)
     items = _work_items(group_sizes, m, b.bm, n_items)
     x_even, x_odd, xs, codes, scales = _prepare(x, w, m_pad, n_pad)
     out = grouped_mx_matmul_pallas(
