@@ -2,9 +2,9 @@
 
     python3 benchmarks/mx_matmul.py [--quick] [--skip check,dense,grouped] [--only decode]
 
-``--only decode``: the batch-1 question in about two minutes: a shorter correctness section (default,
-one-row gemv and split-K paths), dense M = 1 and 16 (default tiles, two gemv variants, split-K
-variants, XLA decode-then-dot, bf16 dot) and grouped at 1 token (default, gemv variants, ragged_dot); no decode-only, W4A8 timing or
+``--only decode``: the batch-1 question in about two minutes: a shorter correctness section (default
+and one-row gemv paths), dense M = 1 and 16 (default tiles, gemv variants, XLA decode-then-dot, bf16
+dot) and grouped at 1 token (default, gemv variants, ragged_dot); no decode-only, W4A8 timing or
 in-jit loop rows.
 
 1. Correctness on this GPU: the Pallas decode (PTX and arith, and the PTX emulation run in
@@ -30,7 +30,6 @@ printed last.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import json
 import os
@@ -131,10 +130,9 @@ def label(b: MXBlocks) -> str:
     """Short name of a configuration: tiles, launch settings, method."""
     if b.decode_then_dot:
         return f"decode {b.bn}x{b.bk} w{b.num_warps} {b.decode} + XLA dot"
-    split = f" split-K {b.split_k}" if b.split_k > 1 else ""
     if b.gemv:
-        return f"gemv 1x{b.bn}x{b.bk} w{b.num_warps} s{b.num_stages} {b.decode}{split}"
-    return f"{b.bm}x{b.bn}x{b.bk} w{b.num_warps} s{b.num_stages} {b.decode}{' lhs' if b.weights_lhs else ''}{split}"
+        return f"gemv 1x{b.bn}x{b.bk} w{b.num_warps} s{b.num_stages} {b.decode}"
+    return f"{b.bm}x{b.bn}x{b.bk} w{b.num_warps} s{b.num_stages} {b.decode}{' lhs' if b.weights_lhs else ''}"
 
 
 def same_bits(a, b) -> bool:
@@ -175,8 +173,7 @@ def check_correctness(key, focus: bool) -> None:
     k = jax.random.split(key, 8)
     guarded("decode", lambda: check_decode(k[7]))
     one_row, decode_then_dot = gemv(64, 256, 4), MXBlocks(bn=32, bk=256, decode_then_dot=True)
-    split_k = MXBlocks(16, 64, 256, weights_lhs=True, split_k=7)
-    paths = [None, one_row, split_k, dataclasses.replace(one_row, split_k=7)] if focus else [split_k, 
+    paths = [None, one_row] if focus else [
         None, MXBlocks(16, 64, 256, weights_lhs=False), MXBlocks(16, 64, 256, weights_lhs=True, decode="arith"),
         one_row, gemv(32, 512, 4, "arith"), decode_then_dot]
     w4a8_paths = [None, one_row] if focus else [None, one_row, decode_then_dot]
@@ -252,15 +249,6 @@ def gemv_configs(m: int) -> list[MXBlocks]:
     return [gemv(64, 256, 4), gemv(128, 256, 8)] if m <= 16 else []
 
 
-def split_k_configs(m: int) -> list[MXBlocks]:
-    """Split-K configurations (more programs along K) of the default tiles and of the best one-row
-    tiles, timed at dense M <= 16."""
-    if m > 16:
-        return []
-    base = [default_blocks(m)] + ([gemv(32, 256, 4)] if m == 1 else [])
-    return [dataclasses.replace(b, split_k=s) for b in base for s in (2, 7, 14)]
-
-
 def dense_configs(m: int) -> list[MXBlocks]:
     """Tile configurations of the dot kernels timed at M rows (default_blocks first)."""
     if m <= 16:
@@ -314,7 +302,7 @@ def bench_dense(key, quick: bool, focus: bool) -> None:
         x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
         case, flops = f"dense M={m}", 2.0 * m * n * k
         configs = dense_configs(m)[:1 if focus else 2 if quick else None]
-        gemvs = gemv_configs(m)[:2 if quick or focus else None]
+        gemvs = gemv_configs(m)[:2 if quick else None]
         ref = decode_dot(x, w)
         for blocks in dict.fromkeys(configs[:1] + configs[-1:] + gemvs[:1]):
             guarded(f"{case} {label(blocks)}", lambda: print(
@@ -323,7 +311,6 @@ def bench_dense(key, quick: bool, focus: bool) -> None:
         fn_of_blocks = lambda b: (lambda x, w: mx_matmul(x, w, blocks=b))
         best = best_kernel(case, fn_of_blocks, configs, (x, w), flops, wbytes, loop=m <= 16 and not focus)
         best_kernel(case, fn_of_blocks, gemvs, (x, w), flops, wbytes, loop=m <= 16 and not focus, impl="pallas gemv")
-        best_kernel(case, fn_of_blocks, split_k_configs(m), (x, w), flops, wbytes, loop=False, impl="pallas split-K")
         record(case, "XLA decode-then-dot", timed(decode_dot, x, w), flops, wbytes)
         record(case, "XLA bf16 dot (bf16 weights)", timed(bf16_dot, x, w_bf16), flops, wbytes)
         if focus:
@@ -337,6 +324,7 @@ def bench_dense(key, quick: bool, focus: bool) -> None:
                    flops, wbytes, label(best) if best else "default")
         except Exception as e:
             print(f"  {case} W4A8 FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+    del w, w_bf16
 
 
 def routing(key, tokens: int, experts: int = 896, top_k: int = 16) -> jax.Array:

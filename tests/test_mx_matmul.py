@@ -24,8 +24,6 @@ SMALL_ARITH = MXBlocks(bm=16, bn=32, bk=64, weights_lhs=True, decode="arith")
 DECODE_THEN_DOT = MXBlocks(bn=32, bk=64, decode_then_dot=True)
 GEMV = MXBlocks(bm=1, bn=32, bk=64, gemv=True)  # one row per program, no dot
 GEMV_ARITH = MXBlocks(bm=1, bn=32, bk=64, gemv=True, decode="arith")
-SPLIT_K = MXBlocks(bm=16, bn=32, bk=32, weights_lhs=True, split_k=5)  # K = 160: one step per program
-GEMV_SPLIT_K = MXBlocks(bm=1, bn=32, bk=64, gemv=True, split_k=5)  # bk shrinks to 32: 5 steps, one each
 N, K = 96, 160  # K = 5 scale blocks: not a power of two, not a multiple of bk
 
 
@@ -47,8 +45,7 @@ def test_mx_matmul_matches_reference(weight, m):
     assert rel_err(out, mx_matmul_reference(x, weight)) < 1e-5
 
 
-@pytest.mark.parametrize("blocks,m", [(SMALL_LHS, 1), (SMALL_LHS, 100), (SMALL_ARITH, 7), (DECODE_THEN_DOT, 7),
-                                      (SPLIT_K, 7), (GEMV_SPLIT_K, 1)])
+@pytest.mark.parametrize("blocks,m", [(SMALL_LHS, 1), (SMALL_LHS, 100), (SMALL_ARITH, 7), (DECODE_THEN_DOT, 7)])
 def test_mx_matmul_paths_match_reference(weight, blocks, m):
     x = bf16_normal(jax.random.key(20 + m), (m, K))
     assert rel_err(mx_matmul(x, weight, blocks=blocks), mx_matmul_reference(x, weight)) < 1e-5
@@ -155,6 +152,5 @@ def test_shape_errors(weight, experts):
         grouped_mx_matmul(jnp.ones((4, K)), weight, GROUP_SIZES)
     with pytest.raises(ValueError, match=r"group_sizes must be \[G\]"):
         grouped_mx_matmul(jnp.ones((4, K)), experts, GROUP_SIZES[:3])
-    for dense_only in (DECODE_THEN_DOT, SPLIT_K):
-        with pytest.raises(ValueError, match="dense only"):
-            grouped_mx_matmul(jnp.ones((4, K)), experts, GROUP_SIZES, blocks=dense_only)
+    with pytest.raises(ValueError, match="dense only"):
+        grouped_mx_matmul(jnp.ones((4, K)), experts, GROUP_SIZES, blocks=DECODE_THEN_DOT)

@@ -68,10 +68,7 @@ class MXBlocks:
     decode_then_dot: dense only, decode the whole weight to bf16 with ``decode_mxfp4_pallas``
     (tiles bn x bk) and let XLA do the dot; gemv: one row of x per program (bm must be 1),
     products and sums on the CUDA cores instead of a dot (not with weights_lhs or
-    decode_then_dot); split_k: dense only, programs also along K, each summing n_k / split_k
-    steps into a float32 partial product [split_k, M, N] that ``ops.py`` adds up (more programs in
-    flight when M and N are small). ``ops.py`` shrinks the tiles to fit a shape (bm to at least 16
-    unless gemv) and split_k to a divisor of the step count.
+    decode_then_dot). ``ops.py`` shrinks the tiles to fit a shape (bm to at least 16 unless gemv).
     """
 
     bm: int = 64
@@ -83,7 +80,6 @@ class MXBlocks:
     decode: Literal["ptx", "arith"] = "ptx"
     decode_then_dot: bool = False
     gemv: bool = False
-    split_k: int = 1
 
     def __post_init__(self):
         if self.gemv and (self.bm != 1 or self.weights_lhs or self.decode_then_dot):
@@ -254,14 +250,14 @@ def decode_activation_tile(values: Array, scales: Array | None) -> Array:
     return (values.astype(jnp.float32) * s).astype(COMPUTE_DTYPE)
 
 
-def _accumulate_tiles(tiles_at, first, n_k: int, bm: int, bn: int, weights_lhs: bool) -> Array:
+def _accumulate_tiles(tiles_at, n_k: int, bm: int, bn: int, weights_lhs: bool) -> Array:
     """float32 [bm, bn] = sum over k steps i and planes p of x_p [bm, bk/2] . w_p [bn, bk/2]^T,
-    where tiles_at(i) -> ((x_even, w_even), (x_odd, w_odd)), i = first .. first + n_k - 1; with
-    weights_lhs the loop accumulates w_p . x_p^T [bn, bm] and transposes once at the end."""
+    where tiles_at(i) -> ((x_even, w_even), (x_odd, w_odd)); with weights_lhs the loop accumulates
+    w_p . x_p^T [bn, bm] and transposes once at the end."""
     dims = (((1,), (1,)), ((), ()))
 
     def step(i, acc):
-        for x, w in tiles_at(first + i):
+        for x, w in tiles_at(i):
             lhs, rhs = (w, x) if weights_lhs else (x, w)
             acc = acc + jax.lax.dot_general(lhs, rhs, dims, preferred_element_type=jnp.float32)
         return acc
@@ -270,14 +266,13 @@ def _accumulate_tiles(tiles_at, first, n_k: int, bm: int, bn: int, weights_lhs: 
     return acc.T if weights_lhs else acc
 
 
-def _accumulate_products(tiles_at, first, n_k: int, bn: int, half: int) -> Array:
+def _accumulate_products(tiles_at, n_k: int, bn: int, half: int) -> Array:
     """One row of x, no dot: float32 [1, bn] = the sums over the half columns of a float32
     [bn, half] accumulator of w_p [bn, half] * x_p [1, half] (broadcast over the bn rows) over k
-    steps i = first .. first + n_k - 1 and planes p, where tiles_at(i) -> ((x_even, w_even),
-    (x_odd, w_odd)), half = bk / 2."""
+    steps i and planes p, where tiles_at(i) -> ((x_even, w_even), (x_odd, w_odd)), half = bk / 2."""
 
     def step(i, acc):
-        for x, w in tiles_at(first + i):
+        for x, w in tiles_at(i):
             acc = acc + w.astype(jnp.float32) * x.astype(jnp.float32)
         return acc
 
@@ -285,12 +280,11 @@ def _accumulate_products(tiles_at, first, n_k: int, bn: int, half: int) -> Array
     return jnp.sum(acc, axis=1)[None, :]
 
 
-def _accumulate(tiles_at, n_k: int, blocks: MXBlocks, first=0) -> Array:
-    """float32 [bm, bn] output tile over k steps first .. first + n_k - 1: products on the CUDA
-    cores with gemv, else bf16 dots."""
+def _accumulate(tiles_at, n_k: int, blocks: MXBlocks) -> Array:
+    """float32 [bm, bn] output tile: products on the CUDA cores with gemv, else bf16 dots."""
     if blocks.gemv:
-        return _accumulate_products(tiles_at, first, n_k, blocks.bn, blocks.bk // 2)
-    return _accumulate_tiles(tiles_at, first, n_k, blocks.bm, blocks.bn, blocks.weights_lhs)
+        return _accumulate_products(tiles_at, n_k, blocks.bn, blocks.bk // 2)
+    return _accumulate_tiles(tiles_at, n_k, blocks.bm, blocks.bn, blocks.weights_lhs)
 
 
 def _k_slices(i, bk: int):
@@ -323,12 +317,11 @@ def _split_refs(refs, w4a8: bool, leading: int):
 
 def _mx_matmul_kernel(*refs, blocks: MXBlocks, n_k: int, w4a8: bool, interpret: bool):
     """Refs: x_even, x_odd [bm, K/2] (+ x scales [bm, K/32] if w4a8), codes [bn, K/32, 16],
-    scales [bn, K/32, 1], out [bm, bn] (the partial product of this program's share of K)."""
+    scales [bn, K/32, 1], out [bm, bn]."""
     _, x_refs, xs_ref, codes_ref, scales_ref, o_ref = _split_refs(refs, w4a8, 0)
     every = (slice(None),)
     tiles_at = lambda i: _tiles(x_refs, xs_ref, codes_ref, scales_ref, every, every, i, blocks, interpret)
-    steps = n_k // blocks.split_k
-    o_ref[...] = _accumulate(tiles_at, steps, blocks, pl.program_id(2) * steps).astype(o_ref.dtype)
+    o_ref[...] = _accumulate(tiles_at, n_k, blocks).astype(o_ref.dtype)
 
 
 def mx_matmul_pallas(
@@ -344,30 +337,27 @@ def mx_matmul_pallas(
 ) -> Array:
     """x_even, x_odd [M, K/2] (the even and odd columns of x; M % bm == 0), optional x_scales uint8
     [M, K/32], codes uint8 [N, K/32, 16] (N % bn == 0), scales uint8 [N, K/32, 1] -> out_dtype
-    [M, N], or with split_k > 1 float32 partial products [split_k, M, N] to be summed. Grid
-    (M/bm, N/bn, split_k), row tiles fastest, so programs running together share a weight tile."""
+    [M, N]. Grid (M/bm, N/bn), row tiles fastest, so programs running together share a weight tile."""
     m, half = x_even.shape
     k = 2 * half
     n = codes.shape[0]
     bm, bn = blocks.bm, blocks.bn
     w4a8 = x_scales is not None
-    split = blocks.split_k
-    row = lambda width: pl.BlockSpec((bm, width), lambda i, j, s: (i, 0))
-    col = lambda width: pl.BlockSpec((bn, k // BLOCK, width), lambda i, j, s: (j, 0, 0))
+    row = lambda width: pl.BlockSpec((bm, width), lambda i, j: (i, 0))
+    col = lambda width: pl.BlockSpec((bn, k // BLOCK, width), lambda i, j: (j, 0, 0))
     in_specs = [row(half), row(half)] + ([row(k // BLOCK)] if w4a8 else []) + [col(SCALE_BLOCK_BYTES), col(1)]
     operands = [x_even, x_odd] + ([x_scales] if w4a8 else []) + [codes, scales]
     kernel = functools.partial(_mx_matmul_kernel, blocks=blocks, n_k=k // blocks.bk, w4a8=w4a8, interpret=interpret)
-    out = pl.pallas_call(
+    return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((split, m, n), out_dtype if split == 1 else jnp.float32),
-        grid=(m // bm, n // bn, split),
+        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+        grid=(m // bm, n // bn),
         in_specs=in_specs,
-        out_specs=pl.BlockSpec((None, bm, bn), lambda i, j, s: (s, i, j)),
+        out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
         compiler_params=_gpu_compiler_params(blocks, interpret),
         interpret=interpret,
         name="mx_matmul_w4a8" if w4a8 else "mx_matmul",
     )(*operands)
-    return out[0] if split == 1 else out
 
 
 def _masked_store(ref, value: Array, mask: Array, interpret: bool) -> None:

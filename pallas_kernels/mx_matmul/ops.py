@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -67,12 +66,11 @@ def _largest_pow2_divisor(n: int, cap: int) -> int:
 
 def _fit_blocks(blocks: MXBlocks, m: int, n: int, k: int) -> MXBlocks:
     """Shrink tiles to the shape: bm <= next power of two of M (bm >= 16, or 1 with gemv), bn | N,
-    bk | K (bk >= 32), split_k | K / bk."""
+    bk | K (bk >= 32)."""
     bm = 1 if blocks.gemv else max(_MIN_TILE, min(blocks.bm, 1 << max(m - 1, 1).bit_length()))
     bn = max(_MIN_TILE, _largest_pow2_divisor(n, blocks.bn))
     bk = max(BLOCK, _largest_pow2_divisor(k, max(blocks.bk, BLOCK)))
-    split_k = math.gcd(blocks.split_k, k // bk)
-    return dataclasses.replace(blocks, bm=bm, bn=bn, bk=bk, split_k=split_k)
+    return dataclasses.replace(blocks, bm=bm, bn=bn, bk=bk)
 
 
 def _check(x: Array | MXTensor, w: MXTensor, w_ndim: int) -> tuple[int, int, int]:
@@ -145,8 +143,6 @@ def _mx_matmul(x, w, *, blocks, out_dtype, interpret):
     m_pad = -(-m // b.bm) * b.bm
     x_even, x_odd, xs, codes, scales = _prepare(x, w, m_pad, n_pad)
     out = mx_matmul_pallas(x_even, x_odd, xs, codes, scales, blocks=b, out_dtype=out_dtype, interpret=interpret)
-    if b.split_k > 1:
-        out = jnp.sum(out, axis=0).astype(out_dtype)
     return out[:m, :n]
 
 
@@ -197,9 +193,8 @@ def _grouped_mx_matmul(x, w, group_sizes, *, blocks, out_dtype, interpret):
     g = w.shape[0]
     if group_sizes.shape != (g,):
         raise ValueError(f"group_sizes must be [G] = [{g}], got {group_sizes.shape}")
-    if blocks.decode_then_dot or blocks.split_k > 1:
-        raise ValueError("decode_then_dot and split_k are dense only; grouped_mx_matmul runs the fused "
-                         f"kernel over whole K, got {blocks}")
+    if blocks.decode_then_dot:
+        raise ValueError("decode_then_dot is dense only; grouped_mx_matmul always runs the fused kernel")
     n_pad = -(-n // _MIN_TILE) * _MIN_TILE
     b = _fit_blocks(blocks, m, n_pad, k)
     m_pad = -(-m // b.bm) * b.bm
