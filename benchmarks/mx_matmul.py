@@ -324,7 +324,6 @@ def bench_dense(key, quick: bool, focus: bool) -> None:
                    flops, wbytes, label(best) if best else "default")
         except Exception as e:
             print(f"  {case} W4A8 FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-    del w, w_bf16
 
 
 def routing(key, tokens: int, experts: int = 896, top_k: int = 16) -> jax.Array:

@@ -81,8 +81,9 @@ def test_decode_kernel_bit_exact(decode):
     np.testing.assert_array_equal(planar[:, 1], np.asarray(ref[:, 1::2]).view(np.uint16))
 
 
-def test_mx_matmul_bf16_input_default_blocks(weight):
-    x = bf16_normal(jax.random.key(3), (7, K)).astype(jnp.bfloat16)
+@pytest.mark.parametrize("m", [1, 7])  # M = 1 defaults to the one-row kernel, 7 to the dot path
+def test_mx_matmul_bf16_input_default_blocks(weight, m):
+    x = bf16_normal(jax.random.key(3), (m, K)).astype(jnp.bfloat16)
     out = mx_matmul(x, weight)
     assert out.dtype == jnp.bfloat16
     assert rel_err(out, mx_matmul_reference(x, weight)) < 1e-2  # bf16 output rounding
