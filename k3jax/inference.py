@@ -51,41 +51,58 @@ class Generator:
     prefill_chunk bounds the tokens processed per prefill call (memory stays bounded for long
     prompts); cache_dtype is the MLA latent cache's dtype (default: the parameters' dtype);
     scan_layers=True compiles repeated layer groups once under ``lax.scan`` but stacks their weights
-    on every call, so the default unrolls the layers: a longer compile, no weight copies per token.
+    on every call, so the default unrolls the layers: a longer compile, no weight copies per token;
+    attend_block: the MLA layers read the filled part of their cache rounded up to attend_block
+    times a power of two (``window``), so a short sequence in a long cache does not read all of it
+    (one compiled variant per window size, at most log2(max_len / attend_block) + 2).
     """
 
     def __init__(
         self, model: K3Model, max_len: int = 2048, prefill_chunk: int = 256, cache_dtype=None,
-        scan_layers: bool = False,
+        scan_layers: bool = False, attend_block: int = 256,
     ):
         if max_len < 2:
             raise ValueError(f"max_len: must be at least 2, got {max_len}")
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk: must be positive, got {prefill_chunk}")
+        if attend_block < 1:
+            raise ValueError(f"attend_block: must be positive, got {attend_block}")
         self.cfg = model.cfg
         self.max_len, self.prefill_chunk, self.scan_layers = max_len, prefill_chunk, scan_layers
+        self.attend_block = attend_block
         self.cache_dtype = cache_dtype or model.embed_tokens.weight.dtype
         self._graph, params = nnx.split(model)
         self._weights, self._treedef = jax.tree_util.tree_flatten(params)
         self._model = model
-        self._extend = jax.jit(self._extend_fn, donate_argnums=2)
-        self._decode = jax.jit(self._decode_fn, donate_argnums=2, static_argnames="sampling")
+        self._extend = jax.jit(self._extend_fn, donate_argnums=2, static_argnames="window")
+        self._decode = jax.jit(self._decode_fn, donate_argnums=2, static_argnames=("sampling", "window"))
         self._sample = jax.jit(sample, static_argnames="sampling")
 
-    def _extend_fn(self, weights, tokens, cache, start, lengths, logits_at=None):
+    def _extend_fn(self, weights, tokens, cache, start, lengths, logits_at=None, window=None):
         model = nnx.merge(self._graph, jax.tree_util.tree_unflatten(self._treedef, weights))
-        return model.extend(tokens, cache, start, lengths, self.scan_layers, logits_at)
+        return model.extend(tokens, cache, start, lengths, self.scan_layers, logits_at, window)
 
-    def _decode_fn(self, weights, tokens, cache, positions, key, sampling):
-        logits, cache = self._extend_fn(weights, tokens[:, None], cache, positions, positions + 1)
+    def _decode_fn(self, weights, tokens, cache, positions, key, sampling, window):
+        logits, cache = self._extend_fn(weights, tokens[:, None], cache, positions, positions + 1, window=window)
         return sample(logits[:, 0], key, sampling), logits[:, 0], cache
 
+    def window(self, end: int) -> int:
+        """MLA cache positions read by a call whose new tokens end before position ``end``: the
+        smallest attend_block * 2**i >= end, at most max_len."""
+        size = self.attend_block
+        while size < end:
+            size *= 2
+        return min(size, self.max_len)
+
     def decode_step(
-        self, tokens: Array, cache: list, positions: Array, key: Array, sampling: Sampling = Sampling()
+        self, tokens: Array, cache: list, positions: Array, key: Array, sampling: Sampling = Sampling(),
+        window: int | None = None,
     ) -> tuple[Array, Array, list]:
         """One token per sequence (tokens [B] at ``positions`` [B]) -> (next tokens [B], logits [B, V],
-        cache). The cache passed in is donated: use the one returned."""
-        return self._decode(self._weights, tokens, cache, positions, key, sampling=sampling)
+        cache). The cache passed in is donated: use the one returned. ``window``: the MLA cache
+        positions to read, at least max(positions) + 1 (``self.window`` rounds that to a compiled
+        size); None reads the whole cache."""
+        return self._decode(self._weights, tokens, cache, positions, key, sampling=sampling, window=window)
 
     def init_cache(self, batch: int) -> list:
         return self._model.init_cache(batch, self.max_len, self.cache_dtype, self.scan_layers)
@@ -122,7 +139,8 @@ class Generator:
             starts = jnp.full((len(prompts),), start, jnp.int32)
             index = np.clip(lengths - 1 - start, 0, chunk - 1)  # each prompt's last token, within the chunk
             logits, cache = self._extend(self._weights, jnp.asarray(tokens[:, start : start + chunk]), cache,
-                                         starts, lengths_dev, jnp.asarray(index, jnp.int32))
+                                         starts, lengths_dev, jnp.asarray(index, jnp.int32),
+                                         window=self.window(start + chunk))
             here = (lengths - 1 >= start) & (lengths - 1 < start + chunk)
             last = jnp.where(jnp.asarray(here)[:, None], logits[:, 0], last)
         return last, cache
@@ -154,7 +172,7 @@ class Generator:
                 t2 = time.perf_counter()
             timed += int(active.sum()) if step >= 2 else 0
             token, _, cache = self.decode_step(token, cache, jnp.asarray(positions), jax.random.fold_in(key, step),
-                                               sampling)
+                                               sampling, self.window(int(positions.max()) + 1))
             token_host = np.asarray(token)
             if on_token:
                 on_token(token_host, active.copy())

@@ -71,7 +71,7 @@ class DecoderLayer(nnx.Module):
                 return self.self_attn(x, cache, None if ctx is None else ctx.valid)
             if ctx is None:
                 return self.self_attn(x), None
-            return self.self_attn.extend(x, cache, ctx.start)
+            return self.self_attn.extend(x, cache, ctx.start, ctx.window)
 
     def ffn(self, h: Array) -> Array:
         moe = hasattr(self, "block_sparse_moe")
@@ -110,10 +110,12 @@ class DecoderLayer(nnx.Module):
 
 class Positions(NamedTuple):
     """Where new tokens go in each cached sequence: start [B] (position of the first new token)
-    and valid [B, T] (real tokens; a prefix of each row, the rest right padding)."""
+    and valid [B, T] (real tokens; a prefix of each row, the rest right padding); window (a static
+    int, or None for all): how many leading MLA cache positions the attention reads."""
 
     start: Array
     valid: Array
+    window: int | None = None
 
 
 def layer_groups(cfg: K3Config, scan: bool = True) -> list[tuple[int, int, int]]:
@@ -250,15 +252,17 @@ class K3Model(nnx.Module):
 
     def extend(
         self, tokens: Array, cache: list, start: Array, lengths: Array, scan_layers: bool = True,
-        logits_at: Array | None = None,
+        logits_at: Array | None = None, window: int | None = None,
     ) -> tuple[Array, list]:
         """Continue cached sequences: tokens [B, T] at positions start[b] + t; a sequence's tokens at
         or beyond lengths[b] are right padding. Returns (logits [B, T, V] float32, the new cache).
         Used for prefill chunks (T tokens) and decode steps (T = 1); the cache must have been made
         by ``init_cache`` with the same ``scan_layers``. ``logits_at`` [B] (indices into the T new
-        tokens) computes the head at one token per sequence only: logits [B, 1, V]."""
+        tokens) computes the head at one token per sequence only: logits [B, 1, V]. ``window``
+        (static) lets the MLA layers read only the first ``window`` cache positions; it must exceed
+        the position of every real new token."""
         valid = start[:, None] + jnp.arange(tokens.shape[1]) < lengths[:, None]
-        logits, _, cache = self._forward(tokens, cache, Positions(start, valid), scan_layers, logits_at)
+        logits, _, cache = self._forward(tokens, cache, Positions(start, valid, window), scan_layers, logits_at)
         return logits, cache
 
 

@@ -29,7 +29,8 @@ TOLERANCE = {"tiny": 2e-4, "tiny_linear": 1e-5}
 @pytest.fixture(scope="module")
 def generators(small_model):
     return {
-        "chunked": Generator(small_model.model, max_len=40, prefill_chunk=16),
+        # attend_block 16: the MLA layers read 16, 32, then all 40 cache positions as sequences grow
+        "chunked": Generator(small_model.model, max_len=40, prefill_chunk=16, attend_block=16),
         "one_shot": Generator(small_model.model, max_len=40, prefill_chunk=64, scan_layers=True),
     }
 
@@ -51,7 +52,8 @@ def test_decode_logits_equal_full_forward_at_every_position(small_model, generat
     assert rel_err(last, full[rows, lengths - 1]) < tol
     for step in range(DECODE_STEPS):
         pos = lengths + step
-        _, logits, cache = gen.decode_step(jnp.asarray(seqs[rows, pos]), cache, jnp.asarray(pos), jax.random.key(0))
+        _, logits, cache = gen.decode_step(jnp.asarray(seqs[rows, pos]), cache, jnp.asarray(pos), jax.random.key(0),
+                                           window=gen.window(int(pos.max()) + 1))
         assert rel_err(logits, full[rows, pos]) < tol, step
 
 
@@ -181,6 +183,15 @@ def test_top_p_keeps_the_smallest_nucleus():
 def test_bad_requests_are_refused(small_model, generators, prompts, kwargs, match):
     with pytest.raises(ValueError, match=match):
         generators["chunked"].generate(prompts, **{"max_new_tokens": 4, **kwargs})
+
+
+def test_attention_window_sizes(small_model, generators):
+    gen = generators["chunked"]  # attend_block 16, max_len 40
+    assert [gen.window(end) for end in (1, 16, 17, 32, 33, 40)] == [16, 16, 32, 32, 40, 40]
+    for kwargs, match in [({"attend_block": 0}, "attend_block"), ({"max_len": 1}, "max_len"),
+                          ({"prefill_chunk": 0}, "prefill_chunk")]:
+        with pytest.raises(ValueError, match=match):
+            Generator(small_model.model, **kwargs)
 
 
 @pytest.mark.parametrize(

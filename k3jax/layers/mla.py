@@ -70,12 +70,14 @@ class MLA(nnx.Module):
         return MLACache(jnp.zeros((batch, max_len, cfg.kv_lora_rank), dtype),
                         jnp.zeros((batch, max_len, cfg.qk_rope_head_dim), dtype))
 
-    def extend(self, x: Array, cache: MLACache, start: Array) -> tuple[Array, MLACache]:
+    def extend(self, x: Array, cache: MLACache, start: Array, window: int | None = None) -> tuple[Array, MLACache]:
         """New tokens x [B, T, D] at positions start[b] + t against the cache, in the absorbed form.
 
         Writes the new latents into the cache (positions past its end are dropped), then attends
         every query to the cached positions at or before its own. Padding after a sequence's last
         token is written too, but only ever seen by later padding: the next real token overwrites it.
+        ``window`` (static) reads only the first ``window`` cache positions: every real token's
+        position must be below it (the caller's guarantee); None reads the whole cache.
         """
         cfg = self.cfg
         B, T, _ = x.shape
@@ -84,10 +86,11 @@ class MLA(nnx.Module):
         rows = jnp.arange(B)[:, None]
         cache = MLACache(cache.c_kv.at[rows, pos].set(c_kv.astype(cache.c_kv.dtype), mode="drop"),
                          cache.k_pe.at[rows, pos].set(k_pe.astype(cache.k_pe.dtype), mode="drop"))
-        visible = jnp.arange(cache.c_kv.shape[1])[None, None, :] <= pos[:, :, None]  # [B, T, S]
+        keys = MLACache(cache.c_kv[:, :window], cache.k_pe[:, :window])  # [:None] is everything
+        visible = jnp.arange(keys.c_kv.shape[1])[None, None, :] <= pos[:, :, None]  # [B, T, S]
         q = self.queries(x)
-        o = absorbed_attention(q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :], cache.c_kv,
-                               cache.k_pe, self.kv_b_proj.weight[...], visible,
+        o = absorbed_attention(q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :], keys.c_kv,
+                               keys.k_pe, self.kv_b_proj.weight[...], visible,
                                cfg.qk_head_dim**-0.5)
         return self.output(x, o), cache
 
