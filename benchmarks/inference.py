@@ -66,8 +66,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--prefill", type=int, default=8192, help="prompt tokens of the prefill timing (0: skip)")
     ap.add_argument("--preset", default="mini")
-    ap.add_argument("--profile", default="", help="XLA dump folder (set XLA_FLAGS to dump there): print "
-                    "where the device time of a decode step and a prefill chunk goes")
+    ap.add_argument("--profile", default="", help="XLA dump folder (set XLA_FLAGS to dump there; see "
+                    "kernel_profile.py): print where the device time of a decode step and a prefill chunk goes")
     args = ap.parse_args()
     bw, rate = ceilings()
     print(f"device {jax.devices()[0].device_kind}: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TF/s")

@@ -9,8 +9,10 @@ them from the optimized HLO that XLA wrote when run with
 (so nothing compiles twice).
 
 Each kernel's HLO op is mapped to its JAX source path (the ``op_name`` in the compiled HLO's metadata),
-so fusions read as "moe/..." (the model's named scopes) rather than "fusion.123". Works on any backend that records
-device events (GPU); elsewhere the table is empty.
+so fusions read as "moe/..." (the model's named scopes) rather than "fusion.123"; ops the dump does
+not name show as "?". Works on any backend that records device events (GPU); elsewhere the table is
+empty. With XLA's command buffers (CUDA graphs, on by default) a whole step is one event; add
+``--xla_gpu_enable_command_buffer=`` to XLA_FLAGS to see its kernels (the step then runs slower).
 """
 
 from __future__ import annotations
