@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.functional import kda as ref
-from pallas_kernels.kda import KDABlocks, chunk_kda, chunk_kda_fused, step_kda
+from pallas_kernels.kda import KDABlocks, chunk_kda, chunk_kda_fused, step_kda, step_kda_fused
 from pallas_kernels.kda import reference as kda_reference
 from pallas_kernels.kda.kernel import intra_chunk, state_walk
 
@@ -53,6 +53,9 @@ DECODE_VARIANTS = {  # measured 2026-11-30: v64w4 3.26 TB/s, v32w4 2.89, v128w4 
     "v128w4": KDABlocks(decode_block_v=128),
     "v128w8": KDABlocks(decode_block_v=128, warps_decode=8),
     "v64w8": KDABlocks(decode_block_v=64, warps_decode=8),
+    "v64w2": KDABlocks(decode_block_v=64, warps_decode=2),
+    "v32w2": KDABlocks(decode_block_v=32, warps_decode=2),
+    "v32w1": KDABlocks(decode_block_v=32, warps_decode=1),
 }
 
 
@@ -229,11 +232,13 @@ def bench_variant(name, blocks, inputs, fla, report, is_default):
 def decode_inputs(B=64):
     x = fused_inputs(jax.random.PRNGKey(3), B, 1)
     q, k, v, g, beta = (a[:, 0] for a in plain_inputs(x))
-    return x, (q, k, v, g, beta), x["h0"]
+    raw = tuple(x[n][:, 0] if n not in ("a_log", "dt_bias") else x[n]
+                for n in ("q", "k", "v", "z", "a_log", "dt_bias", "beta_logits"))
+    return x, (q, k, v, g, beta), raw, x["h0"]
 
 
 def time_decode(fn, args, state):
-    step = jax.jit(fn, donate_argnums=5)
+    step = jax.jit(fn, donate_argnums=len(args))
     holder = [jnp.array(state)]
 
     def one():
@@ -244,19 +249,25 @@ def time_decode(fn, args, state):
 
 
 def bench_decode(report, names, with_fla):
-    x, args, state = decode_inputs()
+    """Plain (q, k, g, beta given) and fused (raw inputs, gates in the kernel, as fla's) decode steps."""
+    x, args, raw, state = decode_inputs()
     state_bytes = 2 * state.size * 4
-    ro, rs = jax.jit(ref.step_kda)(*args, state)
+    expected = {"plain": jax.jit(ref.step_kda)(*args, state)}
+    rq, rk, g, beta = kda_reference.fused_inputs(*raw[:2], raw[3], *raw[4:], LOWER)
+    expected["fused"] = jax.jit(ref.step_kda)(rq, rk, raw[2], g, beta, state)
     for name in names:
         report.require_time()
         blocks = DECODE_VARIANTS[name]
-        fn = functools.partial(step_kda, blocks=blocks)
-        o, s = jax.jit(fn)(*args, jnp.array(state))
-        report.log(f"decode {name} check: o {rel_err(o, ro):.2e} state {rel_err(s, rs):.2e}")
-        if max(rel_err(o, ro), rel_err(s, rs)) >= 1e-5:
-            continue
-        ms = time_decode(fn, args, state)
-        report.add_decode(f"pallas {name}", ms, state_bytes / ms / 1e9)
+        plain = functools.partial(step_kda, blocks=blocks)
+        fused = lambda *a, blocks=blocks: step_kda_fused(*a[:7], a[7], LOWER, blocks=blocks)
+        for kind, fn, fn_args in (("plain", plain, args), ("fused", fused, raw)):
+            o, s = jax.jit(fn)(*fn_args, jnp.array(state))
+            ro, rs = expected[kind]
+            report.log(f"decode {name} {kind} check: o {rel_err(o, ro):.2e} state {rel_err(s, rs):.2e}")
+            if max(rel_err(o, ro), rel_err(s, rs)) >= 1e-4:
+                continue
+            ms = time_decode(fn, fn_args, state)
+            report.add_decode(f"pallas {kind} {name}", ms, state_bytes / ms / 1e9)
     ms = time_decode(ref.step_kda, args, state)
     report.add_decode("xla_ref", ms, state_bytes / ms / 1e9)
     ms = time_decode(lambda *a: (None, a[-1] * 1.0001), args, state)  # the memory ceiling, same bytes
@@ -280,9 +291,25 @@ def bench_decode(report, names, with_fla):
         report.log(f"fla decode failed: {e!r}")
 
 
+def bench_prefill(report, names, fla_recorded):
+    inputs = {shape: fused_inputs(jax.random.PRNGKey(2), *shape) for shape in SHAPES}
+    if fla_recorded:
+        fla = FLA_RECORDED_MS
+    else:
+        fla = {shape: fla_ms(x, report) for shape, x in inputs.items()}
+    report.log(f"fla ms ({'recorded' if fla_recorded else 'measured'}): {fla}")
+    for name in names:
+        try:
+            bench_variant(name, PREFILL_VARIANTS[name], inputs, fla, report, is_default=name == names[0])
+        except OutOfTime:
+            raise
+        except Exception:  # noqa: BLE001 - one variant failing must not lose the others
+            report.log(f"{name} failed:\n{traceback.format_exc()[-3000:]}")
+
+
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--variants", default=",".join(PREFILL_VARIANTS), help="comma-separated names")
+    parser.add_argument("--variants", default=",".join(PREFILL_VARIANTS), help="comma-separated names, or ''")
     parser.add_argument("--budget-s", type=float, default=230.0, help="no new measurement after this")
     parser.add_argument("--decode-variants", default=",".join(DECODE_VARIANTS), help="comma-separated, or ''")
     parser.add_argument("--fla-recorded", action="store_true",
@@ -293,20 +320,8 @@ def main():
     try:
         if args.decode_variants:
             bench_decode(report, args.decode_variants.split(","), with_fla=not args.fla_recorded)
-        inputs = {shape: fused_inputs(jax.random.PRNGKey(2), *shape) for shape in SHAPES}
-        if args.fla_recorded:
-            fla = FLA_RECORDED_MS
-        else:
-            fla = {shape: fla_ms(x, report) for shape, x in inputs.items()}
-        report.log(f"fla ms ({'recorded' if args.fla_recorded else 'measured'}): {fla}")
-        names = args.variants.split(",")
-        for name in names:
-            try:
-                bench_variant(name, PREFILL_VARIANTS[name], inputs, fla, report, is_default=name == names[0])
-            except OutOfTime:
-                raise
-            except Exception:  # noqa: BLE001 - one variant failing must not lose the others
-                report.log(f"{name} failed:\n{traceback.format_exc()[-3000:]}")
+        if args.variants:
+            bench_prefill(report, args.variants.split(","), fla_recorded=args.fla_recorded)
     except OutOfTime:
         report.log("time budget spent: remaining measurements skipped")
     print("\n" + report.table(), flush=True)

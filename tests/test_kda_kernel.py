@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from k3jax.functional import kda as ref
-from pallas_kernels.kda import KDABlocks, chunk_kda, chunk_kda_fused, step_kda
+from pallas_kernels.kda import KDABlocks, chunk_kda, chunk_kda_fused, step_kda, step_kda_fused
 from pallas_kernels.kda import reference
 from pallas_kernels.kda.kernel import _unit_lower_inverse
 from reference_numpy import rel_err
@@ -68,17 +68,22 @@ def test_block_inverse_matches_exact(cosine):
     assert rel_err(_unit_lower_inverse(lower), exact) < 1e-6
 
 
-def test_fused_inputs_match():
-    B, T, H, K, V = 2, 37, 2, 32, 16
-    ks = jax.random.split(jax.random.PRNGKey(11), 8)
+def raw_inputs(seed, B=2, T=37, H=2, K=32, V=16):
+    """The layer's inputs before the gates: un-normalized q, k, raw z and beta logits (bf16)."""
+    ks = jax.random.split(jax.random.PRNGKey(seed), 8)
     bf = jnp.bfloat16
     q, k = (jax.random.normal(kk, (B, T, H, K), bf) for kk in ks[:2])
     v = jax.random.normal(ks[2], (B, T, H, V), bf)
     z = jax.random.normal(ks[3], (B, T, H, K), bf)
     a_log = jax.random.uniform(ks[4], (H,), minval=-1.0, maxval=1.0)
     dt_bias = 0.5 * jax.random.normal(ks[5], (H, K))
-    beta_logits = jax.random.normal(ks[6], (B, T, H))
+    beta_logits = jax.random.normal(ks[6], (B, T, H), bf)
     h0 = jax.random.normal(ks[7], (B, H, K, V))
+    return q, k, v, z, a_log, dt_bias, beta_logits, h0
+
+
+def test_fused_inputs_match():
+    q, k, v, z, a_log, dt_bias, beta_logits, h0 = raw_inputs(11)
     args = (q, k, v, z, a_log, dt_bias, beta_logits, -5.0, h0)
     o, s = jax.jit(lambda *a: chunk_kda_fused(*a, blocks=BLOCKS), static_argnums=7)(*args)
     ro, rs = reference.chunk_kda_fused(*args)
@@ -100,6 +105,17 @@ def test_decode_step_matches():
     o, s = jax.jit(lambda *a: step_kda(*a, blocks=KDABlocks(decode_block_v=16)))(
         q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], h0)
     ro, rs = ref.step_kda(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], h0)
+    assert rel_err(o, ro) < 1e-5 and rel_err(s, rs) < 1e-5
+
+
+def test_fused_decode_step_matches():
+    """Raw inputs for one token: the kernel's gate, norms and sigmoid against the reference's."""
+    q, k, v, z, a_log, dt_bias, beta_logits, h0 = raw_inputs(4, T=1, V=32)
+    q, k, v, z, beta_logits = (a[:, 0] for a in (q, k, v, z, beta_logits))
+    o, s = jax.jit(lambda *a: step_kda_fused(*a, lower_bound=-5.0, blocks=KDABlocks(decode_block_v=16)))(
+        q, k, v, z, a_log, dt_bias, beta_logits, h0)
+    rq, rk, g, beta = reference.fused_inputs(q, k, z, a_log, dt_bias, beta_logits, -5.0)
+    ro, rs = ref.step_kda(rq, rk, v, g, beta, h0)
     assert rel_err(o, ro) < 1e-5 and rel_err(s, rs) < 1e-5
 
 

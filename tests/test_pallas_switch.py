@@ -2,6 +2,7 @@
 (kernels in interpret mode on CPU), for prefill and decode shapes."""
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.implementation import use_implementation
@@ -35,6 +36,28 @@ def test_kda_layer_prefill_and_decode():
     ref, pal = both(run, params, x)
     for a, b in zip(ref, pal):  # bf16 matrix inputs inside the kernels
         assert rel_err(b, a) < 5e-3
+
+
+def test_kda_layer_ragged_rows():
+    """Right padding (``valid``) leaves the state as it was, on both paths: row 1 has 13 real prompt
+    tokens and no real decode token."""
+    cfg = preset("tiny")
+    layer = KDA(cfg.hidden_size, cfg.kda, cfg.rms_norm_eps, rngs=nnx.Rngs(5))
+    graph, params = nnx.split(layer)
+    x = jax.random.normal(jax.random.key(6), (2, 21, cfg.hidden_size))
+    valid = jnp.arange(21)[None, :] < jnp.array([[21], [13]])
+
+    def run(params, x):
+        m = nnx.merge(graph, params)
+        y, state = m(x[:, :20], valid=valid[:, :20])
+        _, state_13 = m(x[1:, :13])
+        z, state = m(x[:, 20:], state, valid=valid[:, 20:])
+        return y[0], y[1, :13], z[0], state.recurrent, state_13.recurrent[0]
+
+    ref, pal = both(run, params, x)
+    for a, b in zip(ref, pal):
+        assert rel_err(b, a) < 5e-3
+    assert rel_err(pal[3][1], pal[4]) < 5e-3  # row 1's state is the state after its 13 tokens
 
 
 def test_moe_layer_with_packed_experts():

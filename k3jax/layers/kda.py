@@ -42,6 +42,19 @@ def _kda_core(q, k, v, g, beta, state, bounded: bool):
     return F.chunk_kda(q, k, v, g, beta, state)
 
 
+def _kda_core_fused(q, k, v, z, a_log, dt_bias, beta_logits, state, lower_bound: float):
+    """The Pallas kernels that take the raw inputs (q/k L2 norms, bounded gate, beta sigmoid inside):
+    the chunked kernel for prompts, the decode kernel for T = 1. Padding is masked by the caller
+    (z and beta_logits at -inf give g = 0 and beta = 0)."""
+    from pallas_kernels import kda as kernels
+
+    if q.shape[1] == 1:
+        o, state = kernels.step_kda_fused(q[:, 0], k[:, 0], v[:, 0], z[:, 0], a_log, dt_bias, beta_logits[:, 0],
+                                          state, lower_bound)
+        return o[:, None], state
+    return kernels.chunk_kda_fused(q, k, v, z, a_log, dt_bias, beta_logits, lower_bound, state)
+
+
 class ShortConv(nnx.Module):
     """Causal depthwise conv over W taps; weight [F, 1, W] float32 as released."""
 
@@ -95,22 +108,33 @@ class KDA(nnx.Module):
         q, cq = self.q_conv1d(self.q_proj(x), state.conv_q, lengths)
         k, ck = self.k_conv1d(self.k_proj(x), state.conv_k, lengths)
         v, cv = self.v_conv1d(self.v_proj(x), state.conv_v, lengths)
-        q, k = F.l2_normalize(heads(jax.nn.silu(q))), F.l2_normalize(heads(jax.nn.silu(k)))
-        v = heads(jax.nn.silu(v))
+        q, k, v = heads(jax.nn.silu(q)), heads(jax.nn.silu(k)), heads(jax.nn.silu(v))
         z = heads(self.f_b_proj(self.f_a_proj(x)))
-        dt_bias = self.dt_bias[...].reshape(H, K)
-        if self.lower_bound is None:
-            g = F.softplus_gate(z, self.A_log[...], dt_bias)
+        beta_logits = self.b_proj(x).astype(jnp.float32)
+        a_log, dt_bias = self.A_log[...], self.dt_bias[...].reshape(H, K)
+        if self.lower_bound is not None and get_implementation() == "pallas":
+            if valid is not None:  # padding neither decays nor writes the state: g = 0, beta = 0
+                z = jnp.where(valid[:, :, None, None], z, -jnp.inf)
+                beta_logits = jnp.where(valid[:, :, None], beta_logits, -jnp.inf)
+            o, rec = _kda_core_fused(q, k, v, z, a_log, dt_bias, beta_logits, state.recurrent, self.lower_bound)
         else:
-            g = F.bounded_gate(z, self.A_log[...], dt_bias, self.lower_bound)
-        beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
-        if valid is not None:  # padding neither decays nor writes the state
-            g = jnp.where(valid[:, :, None, None], g, 0.0)
-            beta = jnp.where(valid[:, :, None], beta, 0.0)
-        o, rec = _kda_core(q, k, v, g, beta, state.recurrent, bounded=self.lower_bound is not None)
+            o, rec = self._gates_then_core(q, k, v, z, a_log, dt_bias, beta_logits, state.recurrent, valid)
         gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
         o = gated_rms_norm(o, heads(gate), self.o_norm.weight[...], self.eps).astype(x.dtype)
         return self.o_proj(o.reshape(B, T, H * K)), KDAState(cq, ck, cv, rec)
+
+    def _gates_then_core(self, q, k, v, z, a_log, dt_bias, beta_logits, state, valid):
+        """Norms and gates in plain JAX, then the plain (q, k, v, g, beta) contract."""
+        q, k = F.l2_normalize(q), F.l2_normalize(k)
+        if self.lower_bound is None:
+            g = F.softplus_gate(z, a_log, dt_bias)
+        else:
+            g = F.bounded_gate(z, a_log, dt_bias, self.lower_bound)
+        beta = jax.nn.sigmoid(beta_logits)
+        if valid is not None:  # padding neither decays nor writes the state
+            g = jnp.where(valid[:, :, None, None], g, 0.0)
+            beta = jnp.where(valid[:, :, None], beta, 0.0)
+        return _kda_core(q, k, v, g, beta, state, bounded=self.lower_bound is not None)
 
 
 __all__ = ["KDA", "KDAState", "ShortConv"]

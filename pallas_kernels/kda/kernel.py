@@ -272,36 +272,52 @@ def state_walk(w, u, qg, kg, aqk, gend, initial_state, *, blocks):
     )(*args)
 
 
-def _decode_kernel(q_ref, k_ref, kb_ref, v_ref, g_ref, s_ref, o_ref, s_out_ref):
-    state = s_ref[...] * jnp.exp(g_ref[...].astype(_F32))[:, None]  # [K, bv]
-    k = k_ref[...].astype(_F32)
+def _decode_kernel(*refs, scale, fused, lower_bound):
+    if fused:
+        q_ref, k_ref, v_ref, g_ref, beta_ref, a_ref, dtb_ref, s_ref, o_ref, s_out_ref = refs
+    else:
+        q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, s_out_ref = refs
+    q, k, g = q_ref[...].astype(_F32), k_ref[...].astype(_F32), g_ref[...].astype(_F32)  # [K]
+    beta = beta_ref[...].astype(_F32)  # [1]
+    if fused:  # raw inputs: L2-normalize q, k; bounded gate from z; sigmoid of the beta logit
+        q, k = _l2_normalize(q), _l2_normalize(k)
+        g = lower_bound * _sigmoid(a_ref[...] * (g + dtb_ref[...]))
+        beta = _sigmoid(beta)
+    state = s_ref[...] * jnp.exp(g)[:, None]  # [K, bv]
     residual = v_ref[...].astype(_F32) - jnp.sum(state * k[:, None], axis=0)  # [bv]
-    state = state + kb_ref[...][:, None] * residual[None, :]
-    o_ref[...] = jnp.sum(state * q_ref[...].astype(_F32)[:, None], axis=0)
+    state = state + (k * beta)[:, None] * residual[None, :]
+    o_ref[...] = jnp.sum(state * (q * scale)[:, None], axis=0)
     s_out_ref[...] = state
 
 
-def decode_step(q, k, v, g, beta, state, *, scale, blocks):
+def decode_step(q, k, v, g, beta, state, gate_params=None, *, scale, blocks, lower_bound=0.0):
     """One token per sequence: q, k, g [B, H, K]; v [B, H, V]; beta [B, H]; state [B, H, K, V] f32.
+    gate_params None, or (exp(A_log) [H, K], dt_bias [H, K]) float32 for the fused gate (then g holds
+    the raw z, beta the logits and q, k are not yet normalized), as in ``intra_chunk``.
 
     Returns o float32 [B, H, V] and the new state (written over the input state's buffer).
     """
     B, H, K = q.shape
     V = v.shape[-1]
     bv = min(blocks.decode_block_v, V)
-    qs = q.astype(_F32) * scale
-    kb = k.astype(_F32) * beta.astype(_F32)[..., None]
-    vec = lambda: pl.BlockSpec((None, None, K), lambda b, h, j: (b, h, 0))
+    fused = gate_params is not None
+    vec = pl.BlockSpec((None, None, K), lambda b, h, j: (b, h, 0))
     v_spec = pl.BlockSpec((None, None, bv), lambda b, h, j: (b, h, j))
     s_spec = pl.BlockSpec((None, None, K, bv), lambda b, h, j: (b, h, 0, j))
+    in_specs = [vec, vec, v_spec, vec, pl.BlockSpec((None, None, 1), lambda b, h, j: (b, h, 0))]
+    args = [q, k, v, g, beta[..., None]]
+    if fused:
+        in_specs += [pl.BlockSpec((None, K), lambda b, h, j: (h, 0))] * 2
+        args += list(gate_params)
+    kernel = functools.partial(_decode_kernel, scale=scale, fused=fused, lower_bound=lower_bound)
     return pl.pallas_call(
-        _decode_kernel, grid=(B, H, V // bv),
-        in_specs=[vec(), vec(), vec(), v_spec, vec(), s_spec], out_specs=[v_spec, s_spec],
+        kernel, grid=(B, H, V // bv),
+        in_specs=in_specs + [s_spec], out_specs=[v_spec, s_spec],
         out_shape=[jax.ShapeDtypeStruct((B, H, V), _F32), jax.ShapeDtypeStruct((B, H, K, V), _F32)],
-        input_output_aliases={5: 1}, compiler_params=compiler_params(blocks.warps_decode, 1),
+        input_output_aliases={len(args): 1}, compiler_params=compiler_params(blocks.warps_decode, 1),
         interpret=interpret(),
         name="kda_decode_step",
-    )(qs, k, kb, v, g, state.astype(_F32))
+    )(*args, state.astype(_F32))
 
 
 __all__ = ["TILE", "KDABlocks", "intra_chunk", "state_walk", "decode_step"]

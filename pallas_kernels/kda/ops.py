@@ -3,6 +3,7 @@
     chunk_kda(q, k, v, g, beta, initial_state=None, scale=None)          -> (o, final_state)
     chunk_kda_fused(q, k, v, z, a_log, dt_bias, beta_logits, lower_bound, initial_state, scale)
     step_kda(q, k, v, g, beta, state, scale=None)                        -> (o, state)
+    step_kda_fused(q, k, v, z, a_log, dt_bias, beta_logits, state, lower_bound, scale)
 
 q, k [B, T, H, K] (bf16 or float32), v [B, T, H, V], g [B, T, H, K] float32 log decay, beta [B, T, H]
 float32 after the sigmoid, state [B, H, K, V] float32; o is float32 [B, T, H, V]. K, V and the block
@@ -79,10 +80,14 @@ def chunk_kda(q, k, v, g, beta, initial_state=None, scale=None, *,
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
 def _chunk_kda_fused(q, k, v, z, a_log, dt_bias, beta_logits, initial_state, lower_bound, scale, blocks):
-    K = q.shape[-1]
-    a_exp = jnp.broadcast_to(jnp.exp(a_log.astype(jnp.float32))[:, None], (a_log.shape[0], K))
-    gate_params = (a_exp, dt_bias.astype(jnp.float32))
+    gate_params = _gate_params(a_log, dt_bias, q.shape[-1])
     return _forward(q, k, v, z, beta_logits, gate_params, initial_state, scale, lower_bound, blocks)
+
+
+def _gate_params(a_log, dt_bias, K):
+    """(exp(A_log) broadcast to [H, K], dt_bias [H, K]) in float32: what the fused kernels read."""
+    a_exp = jnp.broadcast_to(jnp.exp(a_log.astype(jnp.float32))[:, None], (a_log.shape[0], K))
+    return a_exp, dt_bias.astype(jnp.float32).reshape(a_log.shape[0], K)
 
 
 def _chunk_kda_fused_fwd(q, k, v, z, a_log, dt_bias, beta_logits, initial_state, lower_bound, scale, blocks):
@@ -124,4 +129,16 @@ def step_kda(q, k, v, g, beta, state, scale=None, *, blocks: KDABlocks = DEFAULT
     return decode_step(q, k, v, g, beta, state, scale=scale, blocks=blocks)
 
 
-__all__ = ["DEFAULT_BLOCKS", "MIN_LOWER_BOUND", "KDABlocks", "chunk_kda", "chunk_kda_fused", "step_kda"]
+def step_kda_fused(q, k, v, z, a_log, dt_bias, beta_logits, state, lower_bound: float = -5.0, scale=None, *,
+                   blocks: KDABlocks = DEFAULT_BLOCKS):
+    """One decode step from the layer's raw inputs (as ``chunk_kda_fused``, one token): q, k, z [B, H, K]
+    un-normalized, v [B, H, V], a_log [H], dt_bias [H, K], beta_logits [B, H], state [B, H, K, V] f32.
+    The q/k L2 norms, K3's bounded gate and the beta sigmoid run inside the kernel. Returns
+    (o float32 [B, H, V], state). Not differentiable."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return decode_step(q, k, v, z, beta_logits, state, _gate_params(a_log, dt_bias, q.shape[-1]), scale=scale,
+                       blocks=blocks, lower_bound=float(lower_bound))
+
+
+__all__ = ["DEFAULT_BLOCKS", "MIN_LOWER_BOUND", "KDABlocks", "chunk_kda", "chunk_kda_fused", "step_kda",
+           "step_kda_fused"]
