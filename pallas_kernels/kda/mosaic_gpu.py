@@ -13,9 +13,10 @@
 wgmma multiplies 64 rows per warpgroup; a chunk has 32 tokens (the intra kernel's fastest chunk,
 README), so the W, U, q and A_qk tiles sit in the top half of 64-row buffers; the bottom half is never
 written, and since each row of a product depends only on the same row of its left operand, only the
-top 32 rows of V' and O are read. The Kg^T V' product needs the decayed keys
-transposed ([K, C] as the left operand); the interpreter's wgmma takes no transposed operand, so they
-are transposed once in XLA ([B, H, K, T]) rather than in shared memory.
+top 32 rows of V' and O are read. The Kg^T V' product reads the decayed keys' [C, K] tile transposed
+in shared memory (wgmma's transposed left operand; swizzles of 64 bytes, A_qk's and V''s). The
+interpreter's wgmma (JAX 0.10) takes no transposed operand: in interpret mode that one product is a
+plain matrix product of the loaded tiles, everything else is the same kernel.
 
 Layouts: q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; state [B, H, K, V] float32; T a
 multiple of ``CHUNK``, ``seq_len`` the unpadded length (padded tokens get g = 0, beta = 0).
@@ -63,8 +64,18 @@ def _load(ref, layout, interpret):
     return value if interpret else plgpu.layout_cast(value, layout)
 
 
-def _walk_kernel(w_g, u_g, qg_g, kgt_g, aqk_g, gend_g, h0_g, o_g, ht_g,
-                 w_s, u_s, qg_s, aqk_s, kgt_s, gend_s, state_s, vnew_s, o_s, f32_s, bars, *,
+def _keys_t_times(kg_ref, v_ref, product, interpret):
+    """kg_ref^T @ v_ref in float32 for a [C, K] keys tile: wgmma with the tile transposed in shared
+    memory; in interpret mode (whose wgmma takes no transposed operand) the product of the loaded
+    values."""
+    if interpret:
+        return jnp.dot(kg_ref[...].T, v_ref[...], preferred_element_type=_F32)
+    K = kg_ref.shape[1]
+    return product((K, v_ref.shape[1]), [(plgpu.transpose_ref(kg_ref, (1, 0)), v_ref)])
+
+
+def _walk_kernel(w_g, u_g, qg_g, kg_g, aqk_g, gend_g, h0_g, o_g, ht_g,
+                 w_s, u_s, qg_s, aqk_s, kg_s, gend_s, state_s, vnew_s, o_s, f32_s, bars, *,
                  n_chunks, interpret):
     """One (value block, head, batch) program: the whole sequence, chunk by chunk."""
     vb, h, b = jax.lax.axis_index("v_block"), jax.lax.axis_index("head"), jax.lax.axis_index("batch")
@@ -75,9 +86,9 @@ def _walk_kernel(w_g, u_g, qg_g, kgt_g, aqk_g, gend_g, h0_g, o_g, ht_g,
     def fetch(c, slot):
         rows = pl.ds(c * CHUNK, CHUNK)
         sources = [w_g.at[b, rows, h], u_g.at[b, rows, h, cols], qg_g.at[b, rows, h],
-                   aqk_g.at[b, rows, h], kgt_g.at[b, h, :, rows], gend_g.at[b, c, h]]
+                   aqk_g.at[b, rows, h], kg_g.at[b, rows, h], gend_g.at[b, c, h]]
         targets = [w_s.at[slot, top], u_s.at[slot, top], qg_s.at[slot, top], aqk_s.at[slot, top],
-                   kgt_s.at[slot], gend_s.at[slot]]
+                   kg_s.at[slot], gend_s.at[slot]]
         for i, (src, dst) in enumerate(zip(sources, targets)):
             plgpu.copy_gmem_to_smem(src, dst, bars.at[i * 2 + slot])
 
@@ -116,7 +127,7 @@ def _walk_kernel(w_g, u_g, qg_g, kgt_g, aqk_g, gend_g, h0_g, o_g, ht_g,
         plgpu.copy_smem_to_gmem(o_s.at[slot, top], o_g.at[b, pl.ds(c * CHUNK, CHUNK), h, cols])
         decay = _load(gend_s.at[slot], plgpu.Layout.WGMMA.reduce(1), interpret)  # [K], one per state row
         decayed = state * jax.lax.broadcast_in_dim(decay, (K, bv), [0])
-        return decayed + product((K, bv), [(kgt_s.at[slot], vnew_s.at[top])])
+        return decayed + _keys_t_times(kg_s.at[slot], vnew_s.at[top], product, interpret)
 
     state = jax.lax.fori_loop(0, n_chunks, step, state)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -126,10 +137,12 @@ def _walk_kernel(w_g, u_g, qg_g, kgt_g, aqk_g, gend_g, h0_g, o_g, ht_g,
     plgpu.wait_smem_to_gmem(0)
 
 
-def state_walk(w, u, qg, kg_t, aqk, gend, initial_state, *, interpret=False):
-    """Sequential pass over chunks (Mosaic GPU). w, qg [B, T, H, K], u [B, T, H, V], aqk [B, T, H, C]
-    (bf16, from ``intra_chunk`` at ``CHUNK``); kg_t the decayed keys transposed, [B, H, K, T] bf16;
-    gend [B, T / C, H, K] float32; initial_state [B, H, K, V] float32.
+def state_walk(w, u, qg, kg, aqk, gend, initial_state, *, interpret=False):
+    """Sequential pass over chunks (Mosaic GPU). w, qg, kg [B, T, H, K], u [B, T, H, V], aqk [B, T, H, C]
+    (bf16, from ``intra_chunk`` at ``CHUNK``);
+    gend [B, T / C, H, K] float32; initial_state [B, H, K, V] float32. ``interpret``: False on the
+    GPU, or ``interpret_params()`` on a CPU. BLOCK_V = 128 would need 297 KB of shared memory (the
+    H200 gives a block 227 KB).
 
     Returns o float32 [B, T, H, V] and the final state float32 [B, H, K, V].
     """
@@ -144,7 +157,7 @@ def state_walk(w, u, qg, kg_t, aqk, gend, initial_state, *, interpret=False):
         plgpu.SMEM((slots, WGMMA_ROWS, bv), _BF16, transforms=_swizzled(bv)),  # U
         plgpu.SMEM((slots, WGMMA_ROWS, K), _BF16, transforms=_swizzled(K)),  # decayed q
         plgpu.SMEM((slots, WGMMA_ROWS, CHUNK), _BF16, transforms=_swizzled(CHUNK)),  # A_qk
-        plgpu.SMEM((slots, K, CHUNK), _BF16, transforms=_swizzled(CHUNK)),  # decayed k, transposed
+        plgpu.SMEM((slots, CHUNK, K), _BF16, transforms=_swizzled(CHUNK)),  # decayed k (64-byte swizzle)
         plgpu.SMEM((slots, K), _F32),  # exp(G_C)
         plgpu.SMEM((K, bv), _BF16, transforms=_swizzled(bv)),  # the state as a wgmma operand
         # V': the right operand after A_qk and k^T, whose 64-byte rows set its swizzle
@@ -159,7 +172,7 @@ def state_walk(w, u, qg, kg_t, aqk, gend, initial_state, *, interpret=False):
         out_type=[jax.ShapeDtypeStruct((B, T, H, V), _F32), jax.ShapeDtypeStruct((B, H, K, V), _F32)],
         scratch_types=scratch, grid=(V // bv, H, B), grid_names=("v_block", "head", "batch"),
         compiler_params=plgpu.CompilerParams(), interpret=interpret or None,
-    )(w, u, qg, kg_t, aqk, gend, initial_state.astype(_F32))
+    )(w, u, qg, kg, aqk, gend, initial_state.astype(_F32))
 
 
 def forward(q, k, v, g, beta, gate_params, initial_state, *, seq_len, scale, lower_bound, interpret):
@@ -174,8 +187,7 @@ def forward(q, k, v, g, beta, gate_params, initial_state, *, seq_len, scale, low
         raise ValueError(f"T={q.shape[1]} must be a multiple of CHUNK={CHUNK}")
     w, u, qg, kg, aqk, gend = intra_chunk(q, k, v, g, beta, gate_params, seq_len=seq_len, scale=scale,
                                           blocks=_INTRA_BLOCKS, lower_bound=lower_bound)
-    kg_t = jnp.transpose(kg, (0, 2, 3, 1))
-    return state_walk(w, u, qg, kg_t, aqk, gend, initial_state, interpret=interpret)
+    return state_walk(w, u, qg, kg, aqk, gend, initial_state, interpret=interpret)
 
 
 __all__ = ["CHUNK", "BLOCK_V", "forward", "interpret_params", "state_walk"]

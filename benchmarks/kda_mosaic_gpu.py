@@ -1,0 +1,112 @@
+"""The Mosaic GPU KDA forward (pallas_kernels/kda/mosaic_gpu.py) against the Triton path on the H200.
+
+    python3 benchmarks/kda_mosaic_gpu.py [--budget-s 200]
+
+First a check against the float32 reference (B=2, T=300, H=4, K=V=128; plain inputs with an initial
+state, and fused inputs). Then, at H=96, K=V=128, bf16 inputs, for B1 T8192, B1 T32768, B8 T4096:
+the Triton path (``chunk_kda_fused``, default blocks), the Mosaic GPU path from the same fused inputs,
+and the two state walks alone on the same intra-kernel outputs (Triton ``kernel.state_walk`` at
+chunk 32, 64 state columns per program; Mosaic GPU ``state_walk``, 64 too). Times by
+``benchmarks.kda.time_jax``. Once --budget-s has passed no new measurement starts; the table is
+printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.kda import H, K, LOWER, SHAPES, V, fused_args, fused_inputs, plain_inputs, rel_err, time_jax
+from k3jax.functional import kda as ref
+from pallas_kernels.kda import KDABlocks, chunk_kda_fused, mosaic_gpu
+from pallas_kernels.kda import reference as kda_reference
+from pallas_kernels.kda.kernel import intra_chunk, state_walk
+
+
+def _pad(arrays, chunk):
+    pad = -arrays[0].shape[1] % chunk
+    return [jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2)) for a in arrays]
+
+
+@functools.partial(jax.jit, static_argnums=7)
+def mosaic_fused(q, k, v, z, a_log, dt_bias, beta_logits, lower_bound, h0):
+    """``chunk_kda_fused``'s contract through ``mosaic_gpu.forward``."""
+    T, heads = q.shape[1], q.shape[2]
+    gate_params = (jnp.broadcast_to(jnp.exp(a_log)[:, None], (heads, K)), dt_bias)
+    o, s = mosaic_gpu.forward(*_pad([q, k, v, z, beta_logits], mosaic_gpu.CHUNK), gate_params, h0, seq_len=T,
+                              scale=K**-0.5, lower_bound=lower_bound, interpret=False)
+    return o[:, :T], s
+
+
+@jax.jit
+def mosaic_plain(q, k, v, g, beta, h0):
+    T = q.shape[1]
+    o, s = mosaic_gpu.forward(*_pad([q, k, v, g, beta], mosaic_gpu.CHUNK), None, h0, seq_len=T,
+                              scale=K**-0.5, lower_bound=0.0, interpret=False)
+    return o[:, :T], s
+
+
+def check():
+    x = fused_inputs(jax.random.PRNGKey(1), 2, 300, heads=4)
+    q, k, v, g, beta = plain_inputs(x)
+    o, s = mosaic_plain(q, k, v, g, beta, x["h0"])
+    ro, rs = jax.jit(ref.chunk_kda)(q, k, v, g, beta, x["h0"])
+    fo, fs = mosaic_fused(*fused_args(x), x["h0"])
+    rfo, rfs = jax.jit(kda_reference.chunk_kda_fused, static_argnums=7)(*fused_args(x), x["h0"])
+    errs = dict(o=rel_err(o, ro), state=rel_err(s, rs), fused_o=rel_err(fo, rfo), fused_state=rel_err(fs, rfs))
+    print("check B2 T300 H4: " + ", ".join(f"{n} {e:.2e}" for n, e in errs.items()), flush=True)
+    return max(errs.values())
+
+
+def walk_inputs(x, T):
+    a_exp = jnp.broadcast_to(jnp.exp(x["a_log"])[:, None], x["dt_bias"].shape)
+    inter = jax.jit(lambda *a: intra_chunk(*a, (a_exp, x["dt_bias"]), seq_len=T, scale=K**-0.5,
+                                           blocks=KDABlocks(chunk=mosaic_gpu.CHUNK), lower_bound=LOWER))(
+        x["q"], x["k"], x["v"], x["z"], x["beta_logits"])
+    return jax.block_until_ready(inter)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--budget-s", type=float, default=200.0)
+    args = parser.parse_args()
+    start = time.perf_counter()
+    print(f"{jax.devices()[0].device_kind} jax {jax.__version__}", flush=True)
+    rows = []
+    try:
+        if check() >= 5e-3:
+            print("error too large: not timed")
+            return
+        for B, T in SHAPES:
+            if time.perf_counter() - start > args.budget_s:
+                print("time budget spent: remaining shapes skipped")
+                break
+            x = fused_inputs(jax.random.PRNGKey(2), B, T)
+            h0 = jnp.zeros((B, H, K, V), jnp.float32)
+            triton = jax.jit(chunk_kda_fused, static_argnums=7)
+            base = time_jax(triton, *fused_args(x), h0)
+            rows.append((B, T, "triton chunk_kda_fused", base, base))
+            rows.append((B, T, "mosaic forward (fused)", time_jax(mosaic_fused, *fused_args(x), h0), base))
+            w, u, qg, kg, aqk, gend = walk_inputs(x, T)
+            triton_walk = jax.jit(lambda *a: state_walk(*a, blocks=KDABlocks()))
+            walk_base = time_jax(triton_walk, w, u, qg, kg, aqk, gend, h0)
+            rows.append((B, T, "walk: triton c32 v64", walk_base, walk_base))
+            walk = jax.jit(mosaic_gpu.state_walk)
+            rows.append((B, T, "walk: mosaic v64", time_jax(walk, w, u, qg, kg, aqk, gend, h0), walk_base))
+            for row in rows[-4:]:
+                print(row, flush=True)
+            del x, w, u, qg, kg, aqk, gend
+    except Exception:  # noqa: BLE001 - print what was measured
+        print(traceback.format_exc()[-4000:], flush=True)
+    print("\n| B | T | what | ms | speed vs Triton (same part) |\n|---|---|---|---|---|")
+    for B, T, what, ms, base in rows:
+        print(f"| {B} | {T} | {what} | {ms:.3f} | {base / ms:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
