@@ -103,17 +103,17 @@ def test_unit_lower_inverse_matches_exact(n, cosine):
     keys = ref.l2_normalize(cosine * shared + (1 - cosine**2) ** 0.5 * own)
     lower = jnp.tril(keys @ keys.T, -1)
     exact = np.linalg.inv(np.eye(n) + np.asarray(lower, np.float64))
-    assert rel_err(tpu._unit_lower_inverse(lower), exact) < 1e-5
+    assert rel_err(jax.jit(tpu._unit_lower_inverse)(lower), exact) < 1e-5
 
 
 @functools.partial(jax.jit, static_argnames=("lower_bound",))
 def decode(q, k, v, g, beta, state, params, lower_bound=0.0):
-    return tpu.decode_step(q, k, v, g, beta, state, params, scale=q.shape[-1] ** -0.5, lower_bound=lower_bound,
-                           interpret=INTERPRET)
+    return tpu.decode_step(q, k, v, g, beta, state, params, scale=q.shape[-1] ** -0.5,
+                           lower_bound=lower_bound, interpret=INTERPRET)
 
 
 def test_decode_step_matches():
-    q, k, v, g, beta, h0 = inputs(3, T=1, V=32)
+    q, k, v, g, beta, h0 = inputs(3, T=1, H=2 * tpu.DECODE_HEADS, V=32)  # two programs of 8 heads
     q, k, v, g, beta = (x[:, 0] for x in (q, k, v, g, beta))
     o, s = decode(q, k, v, g, beta, h0, None)
     ro, rs = ref.step_kda(q, k, v, g, beta, h0)
@@ -122,7 +122,7 @@ def test_decode_step_matches():
 
 def test_fused_decode_step_matches():
     """Raw inputs for one token: the kernel's gate, norms and sigmoid against the reference's."""
-    q, k, v, z, a_log, dt_bias, beta_logits, h0 = raw_inputs(4, T=1, V=32)
+    q, k, v, z, a_log, dt_bias, beta_logits, h0 = raw_inputs(4, T=1, H=2 * tpu.DECODE_HEADS, V=32)
     q, k, v, z, beta_logits = (x[:, 0] for x in (q, k, v, z, beta_logits))
     o, s = decode(q, k, v, z, beta_logits, h0, gate_params(a_log, dt_bias), lower_bound=-5.0)
     rq, rk, g, beta = reference.fused_inputs(q, k, z, a_log, dt_bias, beta_logits, -5.0)
@@ -136,7 +136,7 @@ def lower_for_tpu(fn, *args):
 
 
 _S = jax.ShapeDtypeStruct
-_B, _T, _H, _K, _V = 2, 128, 2, 128, 128  # K = V = 128: the lane width
+_B, _T, _H, _K, _V = 2, 128, 16, 128, 128  # K = V = 128: the lane width; two decode programs per sequence
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -154,10 +154,11 @@ def test_forward_lowers_for_tpu(fused):
 @pytest.mark.parametrize("fused", [False, True])
 def test_decode_step_lowers_for_tpu(fused):
     bf, f32 = jnp.bfloat16, jnp.float32
-    args = [_S((_B, _H, _K), bf), _S((_B, _H, _K), bf), _S((_B, _H, _V), bf), _S((_B, _H, _K), f32),
-            _S((_B, _H), f32), _S((_B, _H, _K, _V), f32), (_S((_H, _K), f32), _S((_H, _K), f32)) if fused else None]
+    tokens = [_S((_B, _H, _K), bf), _S((_B, _H, _K), bf), _S((_B, _H, _V), bf), _S((_B, _H, _K), f32),
+              _S((_B, _H), f32)]
+    params = (_S((_H, _K), f32), _S((_H, _K), f32)) if fused else None
     fn = functools.partial(tpu.decode_step, scale=_K**-0.5, lower_bound=-5.0, interpret=False)
-    text = lower_for_tpu(fn, *args)
+    text = lower_for_tpu(fn, *tokens, _S((_B, _H, _K, _V), f32), params)
     assert "tpu_custom_call" in text and "kda_decode_step_tpu" in text
 
 

@@ -1,27 +1,31 @@
 """Chunked KDA forward and decode step for Pallas' Mosaic TPU lowering (bounded gate, spec section 3).
 
 Same maths and contracts as ``kernel.py`` (the Triton kernels); README.md, section "TPU (Mosaic TPU)",
-explains the tiling. In short:
+has the details. In short:
 
-``forward``: one fused kernel, grid (B, H, T / chunk), the chunk axis sequential ("arbitrary"). The
-wrapper transposes the inputs to [B, H, T, K] so that a block is (chunk tokens on sublanes, K on
-lanes). Each program forms the chunk's cumulative log decay G (a triangular matmul: Mosaic has no
-cumsum), the decay-weighted Gram matrices A_kk, A_qk [chunk, chunk], the inverse (I + A_kk)^-1 (float32,
-HIGHEST), W and U, and then, with the float32 state [K, V] kept in a VMEM scratch across chunks, the
-outputs and the next state. The decay factorization stays per 16-token sub-tile as in ``kernel.py``:
-exp(G_i - G_j) = exp(G_i - r) exp(r - G_j) with r the sub-tile midpoint on the diagonal blocks (both
-factors within e^+-40 when every g >= -5) and r the last token of the earlier sub-tile off the
-diagonal (both factors <= 1). Off the diagonal each earlier sub-tile b gives one [chunk, chunk] product
-whose rows are the later sub-tiles and whose columns are b's tokens, so every matmul is chunk x K x
-chunk rather than 16 x K x 16.
+``forward``: one fused kernel, grid (B, H, T / chunk) with the chunk axis sequential ("arbitrary"),
+the float32 state [K, V] in a VMEM scratch across chunks. The wrapper transposes q, k, v, g to
+[B, H, T, *] so that a block is (chunk tokens on sublanes, K or V on lanes); beta goes in as
+[B, H, T / chunk, chunk], one whole (batch, head) row block fetched once. Per chunk: the cumulative
+log decay G (a triangular matmul; Pallas TPU has no cumsum), the decay-weighted Gram matrices A_kk,
+A_qk [chunk, chunk], (I + A_kk)^-1, W and U, then the outputs and the next state. The decay
+factorization stays per 16-token sub-tile as in ``kernel.py``: exp(G_i - G_j) = exp(G_i - r)
+exp(r - G_j), r the sub-tile midpoint on the diagonal blocks (both factors within e^+-40 when every
+g >= -5) and the last token of the earlier sub-tile off the diagonal (both factors <= 1). Each
+earlier sub-tile b gives one [chunk, K] x [K, chunk] product (rows: the later sub-tiles; columns: b's
+tokens), so the MXU sees chunk-sized products rather than 16 x 16 blocks.
 
-``decode_step``: grid (B, H); each program reads the [K, V] state once, applies decay, delta correction
-and output elementwise in float32 (q, k, g as [K, 1] columns, so no relayout is needed), and writes
-the state back over its input buffer.
+``decode_step``: grid (B, H / 8); a program takes 8 heads (whole (8, 128) tiles of q, k, g, v),
+reads each head's [K, V] state once, applies decay, delta correction and output elementwise in float32
+and writes the state back over its input buffer.
 
-Matmul precision: bf16 operands with float32 accumulation for the Gram matrices, W, U and the state
-products (``kernel.py``'s ``inter_dtype`` bf16); float32 HIGHEST for the cumulative sum and the
-triangular inverse. The state and all accumulators are float32.
+Matmuls: float32 at HIGHEST precision for what ``kernel.py`` computes in float32 (G, the Gram matrices,
+the triangular inverse, W, U); bf16 operands with float32 accumulation for the four state products
+(``kernel.py``'s ``inter_dtype`` bf16): W S, (q exp G) S, A_qk V', (k exp(G_C - G))^T V'.
+
+Verified on CPU only: TPU interpret mode for the values, and lowering for the TPU platform
+(``tests/test_kda_tpu.py``), which covers Pallas' Mosaic TPU lowering but not Mosaic's own layout
+passes and compiler (in libtpu, on a real TPU). Not yet run on a TPU.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 TILE = 16
 DEFAULT_CHUNK = 64  # four 16-token sub-tiles: [64, 128] x [128, 64] Gram products for the MXU
+DECODE_HEADS = 8  # heads per decode program: [8, K] blocks of q, k, g, v (one f32 sublane tile)
 _HI = jax.lax.Precision.HIGHEST
 _F32 = jnp.float32
 _BF16 = jnp.bfloat16
@@ -100,18 +105,20 @@ def _unit_lower_inverse(lower):
     return inv
 
 
-def _chunk_inputs(q_ref, k_ref, g_ref, beta_ref, gate_refs, first_token, *, seq_len, scale, lower_bound):
-    """q (scaled), k, g [C, K] and beta [C, 1] in float32; tokens at or after ``seq_len`` get g = 0 and
-    beta = 0. With ``gate_refs`` (exp(A_log), dt_bias as [1, K]) the refs hold raw inputs: q, k are
-    L2-normalized, g = lower_bound * sigmoid(exp(A_log) (z + dt_bias)) and beta = sigmoid(logits)."""
-    q, k = q_ref[...].astype(_F32), k_ref[...].astype(_F32)
-    g, beta = g_ref[...].astype(_F32), beta_ref[...].astype(_F32)
+def _chunk_inputs(q_ref, k_ref, g_ref, beta_ref, gate_refs, c, *, seq_len, scale, lower_bound):
+    """Chunk c's q (scaled), k, g [C, K] and beta [C, 1] in float32; tokens at or after ``seq_len`` get
+    g = 0 and beta = 0. ``beta_ref`` holds the whole sequence's beta as [T / C, C] (row c is this chunk).
+    With ``gate_refs`` (exp(A_log), dt_bias as [1, K]) the refs hold raw inputs: q, k are L2-normalized,
+    g = lower_bound * sigmoid(exp(A_log) (z + dt_bias)) and beta = sigmoid(logits)."""
+    q, k, g = q_ref[...].astype(_F32), k_ref[...].astype(_F32), g_ref[...].astype(_F32)
+    beta = beta_ref[pl.ds(c, 1), :].astype(_F32)  # [1, C]
     if gate_refs:
         a_ref, dtb_ref = gate_refs
         q, k = _l2_normalize(q, axis=1), _l2_normalize(k, axis=1)
         g = lower_bound * _sigmoid(a_ref[...] * (g + dtb_ref[...]))
         beta = _sigmoid(beta)
-    valid = lambda x: first_token + _iota(x.shape, 0) < seq_len  # a mask of x's own shape
+    beta = _row_to_column(beta)
+    valid = lambda x: c * x.shape[0] + _iota(x.shape, 0) < seq_len  # a mask of x's own shape
     return q * scale, k, jnp.where(valid(g), g, 0.0), jnp.where(valid(beta), beta, 0.0)
 
 
@@ -156,15 +163,14 @@ def _intra_chunk(q, k, v, g, beta):
 def _chunk_kernel(*refs, seq_len, scale, lower_bound, fused):
     q_ref, k_ref, v_ref, g_ref, beta_ref, *refs = refs
     gate_refs, (h0_ref, o_ref, ht_ref, state_ref) = (refs[:2], refs[2:]) if fused else ((), refs)
-    C = q_ref.shape[0]
     c = pl.program_id(2)
 
     @pl.when(c == 0)
     def _():
         state_ref[...] = h0_ref[...]
 
-    q, k, g, beta = _chunk_inputs(q_ref, k_ref, g_ref, beta_ref, gate_refs, c * C, seq_len=seq_len,
-                                  scale=scale, lower_bound=lower_bound)
+    q, k, g, beta = _chunk_inputs(q_ref, k_ref, g_ref, beta_ref, gate_refs, c, seq_len=seq_len, scale=scale,
+                                  lower_bound=lower_bound)
     qg, kg, aqk, w, u, decay = _intra_chunk(q, k, v_ref[...].astype(_F32), g, beta)
     state = state_ref[...]  # [K, V] float32, entering this chunk
     v_new = u - _matmul(w, state, precise=False)  # corrected values
@@ -178,7 +184,8 @@ def _chunk_kernel(*refs, seq_len, scale, lower_bound, fused):
 
 def forward(q, k, v, g, beta, gate_params, initial_state, *, seq_len, scale, lower_bound, chunk, interpret):
     """Chunked KDA prefill. q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; T a multiple of
-    ``chunk`` (a multiple of 16); tokens at or after ``seq_len`` get g = 0 and beta = 0.
+    ``chunk`` (a multiple of 16; ``DEFAULT_CHUNK`` = 64); tokens at or after ``seq_len`` get g = 0 and
+    beta = 0.
     gate_params None, or (exp(A_log) [H, K], dt_bias [H, K]) float32 for the fused gate (then g holds
     the raw z, beta the logits and q, k are not yet normalized). initial_state [B, H, K, V] float32.
     ``interpret``: False on a TPU, or a ``pltpu.InterpretParams()`` elsewhere.
@@ -189,11 +196,12 @@ def forward(q, k, v, g, beta, gate_params, initial_state, *, seq_len, scale, low
     V = v.shape[-1]
     if chunk % TILE or T % chunk:
         raise ValueError(f"chunk {chunk} must be a multiple of {TILE} dividing T={T}")
-    heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # [B, T, H, ...] -> [B, H, T, ...]
+    swap = lambda x: jnp.swapaxes(x, 1, 2)  # [B, T, H, ...] <-> [B, H, T, ...]
     tok = lambda width: pl.BlockSpec((None, None, chunk, width), lambda b, h, c: (b, h, c, 0))
     state_spec = pl.BlockSpec((None, None, K, V), lambda b, h, c: (b, h, 0, 0))
-    in_specs = [tok(K), tok(K), tok(V), tok(K), tok(1)]
-    args = [heads_first(q), heads_first(k), heads_first(v), heads_first(g), heads_first(beta)[..., None]]
+    beta_spec = pl.BlockSpec((None, None, T // chunk, chunk), lambda b, h, c: (b, h, 0, 0))  # fetched once
+    in_specs = [tok(K), tok(K), tok(V), tok(K), beta_spec]
+    args = [swap(q), swap(k), swap(v), swap(g), swap(beta).reshape(B, H, T // chunk, chunk)]
     if gate_params is not None:
         in_specs += [pl.BlockSpec((None, 1, K), lambda b, h, c: (h, 0, 0))] * 2
         args += [p.astype(_F32).reshape(H, 1, K) for p in gate_params]
@@ -207,53 +215,65 @@ def forward(q, k, v, g, beta, gate_params, initial_state, *, seq_len, scale, low
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=interpret, name="kda_chunk_tpu",
     )(*args, initial_state.astype(_F32))
-    return heads_first(o), state
+    return swap(o), state
+
+
+def _decode_head(j, q_ref, k_ref, v_ref, g_ref, beta_ref, gate_refs, s_ref, o_ref, s_out_ref, *, scale,
+                 lower_bound):
+    """Head j (static) of the program's block: rows j of q, k, g [heads, K], v [heads, V], beta
+    [heads, 1] and state j [K, V]; the decay, delta correction and output elementwise in float32."""
+    head = pl.ds(j, 1)
+    q, k, g = (ref[head, :].astype(_F32) for ref in (q_ref, k_ref, g_ref))  # [1, K]
+    beta = beta_ref[head, :].astype(_F32)  # [1, 1]
+    if gate_refs:
+        a_ref, dtb_ref = gate_refs
+        q, k = _l2_normalize(q, axis=1), _l2_normalize(k, axis=1)
+        g = lower_bound * _sigmoid(a_ref[head, :] * (g + dtb_ref[head, :]))
+        beta = _sigmoid(beta)
+    q, k, g = _row_to_column(q * scale), _row_to_column(k), _row_to_column(g)  # [K, 1]
+    state = s_ref[j] * jnp.exp(g)  # [K, V]
+    residual = v_ref[head, :].astype(_F32) - jnp.sum(state * k, axis=0, keepdims=True)  # [1, V]
+    state = state + (k * beta) * residual
+    o_ref[head, :] = jnp.sum(state * q, axis=0, keepdims=True)
+    s_out_ref[j] = state
 
 
 def _decode_kernel(*refs, scale, lower_bound, fused):
     q_ref, k_ref, v_ref, g_ref, beta_ref, *refs = refs
     gate_refs, (s_ref, o_ref, s_out_ref) = (refs[:2], refs[2:]) if fused else ((), refs)
-    q, k, g = q_ref[...].astype(_F32), k_ref[...].astype(_F32), g_ref[...].astype(_F32)  # [K, 1]
-    beta = beta_ref[...].astype(_F32)  # [1, 1]
-    if fused:
-        a_ref, dtb_ref = gate_refs
-        q, k = _l2_normalize(q, axis=0), _l2_normalize(k, axis=0)
-        g = lower_bound * _sigmoid(a_ref[...] * (g + dtb_ref[...]))
-        beta = _sigmoid(beta)
-    state = s_ref[...] * jnp.exp(g)  # [K, V]
-    residual = v_ref[...].astype(_F32) - jnp.sum(state * k, axis=0, keepdims=True)  # [1, V]
-    state = state + (k * beta) * residual
-    o_ref[...] = jnp.sum(state * (q * scale), axis=0, keepdims=True)
-    s_out_ref[...] = state
+    for j in range(q_ref.shape[0]):
+        _decode_head(j, q_ref, k_ref, v_ref, g_ref, beta_ref, gate_refs, s_ref, o_ref, s_out_ref, scale=scale,
+                     lower_bound=lower_bound)
 
 
 def decode_step(q, k, v, g, beta, state, gate_params=None, *, scale, lower_bound=0.0, interpret):
     """One token per sequence: q, k, g [B, H, K]; v [B, H, V]; beta [B, H]; state [B, H, K, V] float32.
     gate_params as in ``forward`` (fused gate, norms and sigmoid). ``interpret`` as in ``forward``.
 
-    Returns (o float32 [B, H, V], new state), the state written over the input state's buffer.
+    Grid (B, H / heads): a program takes ``heads`` = 8 heads (all H when H is not a multiple of 8), so
+    the q, k, g, v blocks [heads, K] are whole (8, 128) tiles. Returns (o float32 [B, H, V], new
+    state), the state written over the input state's buffer.
     """
     B, H, K = q.shape
     V = v.shape[-1]
-    column = lambda n: pl.BlockSpec((None, None, n, 1), lambda b, h: (b, h, 0, 0))
-    v_spec = pl.BlockSpec((None, None, 1, V), lambda b, h: (b, h, 0, 0))
-    s_spec = pl.BlockSpec((None, None, K, V), lambda b, h: (b, h, 0, 0))
-    in_specs = [column(K), column(K), v_spec, column(K), column(1)]
-    args = [q[..., None], k[..., None], v[:, :, None], g[..., None], beta[..., None, None]]
+    heads = DECODE_HEADS if H % DECODE_HEADS == 0 else H
+    rows = lambda n: pl.BlockSpec((None, heads, n), lambda b, h: (b, h, 0))
+    s_spec = pl.BlockSpec((None, heads, K, V), lambda b, h: (b, h, 0, 0))
+    in_specs = [rows(K), rows(K), rows(V), rows(K), rows(1)]
+    args = [q, k, v, g, beta[..., None]]
     if gate_params is not None:
-        in_specs += [pl.BlockSpec((None, K, 1), lambda b, h: (h, 0, 0))] * 2
-        args += [p.astype(_F32)[..., None] for p in gate_params]
+        in_specs += [pl.BlockSpec((heads, K), lambda b, h: (h, 0))] * 2
+        args += [p.astype(_F32) for p in gate_params]
     kernel = functools.partial(_decode_kernel, scale=scale, lower_bound=lower_bound,
                                fused=gate_params is not None)
-    o, state = pl.pallas_call(
-        kernel, grid=(B, H),
-        in_specs=in_specs + [s_spec], out_specs=[v_spec, s_spec],
-        out_shape=[jax.ShapeDtypeStruct((B, H, 1, V), _F32), jax.ShapeDtypeStruct((B, H, K, V), _F32)],
+    return pl.pallas_call(
+        kernel, grid=(B, H // heads),
+        in_specs=in_specs + [s_spec], out_specs=[rows(V), s_spec],
+        out_shape=[jax.ShapeDtypeStruct((B, H, V), _F32), jax.ShapeDtypeStruct((B, H, K, V), _F32)],
         input_output_aliases={len(args): 1},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=interpret, name="kda_decode_step_tpu",
     )(*args, state.astype(_F32))
-    return o[:, :, 0], state
 
 
-__all__ = ["TILE", "DEFAULT_CHUNK", "forward", "decode_step"]
+__all__ = ["TILE", "DEFAULT_CHUNK", "DECODE_HEADS", "forward", "decode_step"]
