@@ -251,8 +251,8 @@ def decode_step(q, k, v, g, beta, state, gate_params=None, *, scale, lower_bound
     gate_params as in ``forward`` (fused gate, norms and sigmoid). ``interpret`` as in ``forward``.
 
     Grid (B, H / heads): a program takes ``heads`` = 8 heads (all H when H is not a multiple of 8), so
-    the q, k, g, v blocks [heads, K] are whole (8, 128) tiles. Returns (o float32 [B, H, V], new
-    state), the state written over the input state's buffer.
+    q, k, g, v come in as [heads, K] and [heads, V] blocks rather than single rows padded to 8 sublanes.
+    Returns (o float32 [B, H, V], new state), the state written over the input state's buffer.
     """
     B, H, K = q.shape
     V = v.shape[-1]
