@@ -283,11 +283,14 @@ def _decode_kernel(*refs, scale, fused, lower_bound):
         q, k = _l2_normalize(q), _l2_normalize(k)
         g = lower_bound * _sigmoid(a_ref[...] * (g + dtb_ref[...]))
         beta = _sigmoid(beta)
-    state = s_ref[...] * jnp.exp(g)[:, None]  # [K, bv]
-    residual = v_ref[...].astype(_F32) - jnp.sum(state * k[:, None], axis=0)  # [bv]
-    state = state + (k * beta)[:, None] * residual[None, :]
-    o_ref[...] = jnp.sum(state * (q * scale)[:, None], axis=0)
-    s_out_ref[...] = state
+    state = s_ref[...] * jnp.exp(g)[:, None]  # decayed state [K, bv]
+    # Both reductions read the decayed state, so they run together: with S' = S + (beta k) r^T,
+    # o = S'^T q = S^T q + (beta k . q) r.
+    sk, sq = jnp.sum(state * k[:, None], axis=0), jnp.sum(state * q[:, None], axis=0)  # [bv]
+    residual = v_ref[...].astype(_F32) - sk
+    kb = k * beta
+    o_ref[...] = scale * (sq + jnp.sum(kb * q) * residual)
+    s_out_ref[...] = state + kb[:, None] * residual[None, :]
 
 
 def decode_step(q, k, v, g, beta, state, gate_params=None, *, scale, blocks, lower_bound=0.0):
