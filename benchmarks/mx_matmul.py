@@ -19,6 +19,8 @@ in-jit loop rows.
 3. Grouped: K3 routed experts (896 experts, 16 per token): gate+up 3584 -> 2 x 3072 and down
    3072 -> 3584, decode batch 1, 8, 64 and prefill 8192 tokens. Peer: ``jax.lax.ragged_dot`` on
    bf16 weights.
+4. MoE: one K3 layer's routed experts for 1-8 tokens, the fused one-kernel MoE
+   (``fused_moe_mx``) against the sorted dispatch through the grouped kernel.
 
 Each kernel runs a few tile configurations (a failing one is printed and skipped); the best of the
 dot kernels and the best of the one-row gemv kernels (``MXBlocks.gemv``) are reported apart. Times
@@ -46,9 +48,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from k3jax.implementation import pallas_interpret  # noqa: E402
 from k3jax.mx import MXTensor  # noqa: E402
+from k3jax.functional.moe import moe_sorted, situ  # noqa: E402
 from pallas_kernels.mx_matmul import (  # noqa: E402
     MXBlocks,
     default_blocks,
+    fused_moe_mx,
     grouped_mx_matmul,
     grouped_mx_matmul_reference,
     mx_matmul,
@@ -379,10 +383,36 @@ def bench_grouped(key, quick: bool, focus: bool) -> None:
         del w
 
 
+def bench_moe(key, quick: bool) -> None:
+    """The routed experts of one K3 MoE layer at decode sizes (896 experts, 16 per token, latent
+    3584, hidden 3072, SiTU): the fused one-kernel MoE against the sorted dispatch through the
+    grouped kernel (argsort, gather, three grouped calls, scatter), both jitted whole."""
+    e, f, r, top_k = 896, 3072, 3584, 16
+    print(f"== MoE layer (routed): {e} experts, top {top_k}, {r} -> {f} -> {r}", flush=True)
+    k1, k3, k2, kx, kr = jax.random.split(jax.random.fold_in(key, 7), 5)
+    w1, w3, w2 = random_mx(k1, (e, f, r)), random_mx(k3, (e, f, r)), random_mx(k2, (e, r, f))
+    fused = jax.jit(lambda x, wt, ex: fused_moe_mx(x, w1, w3, w2, wt, ex, situ))
+    matmul = lambda x, w, gs: grouped_mx_matmul(x, w, gs)
+    dispatched = jax.jit(lambda x, wt, ex: moe_sorted(x, w1, w3, w2, wt, ex, situ, matmul=matmul))
+    for tokens in [1, 4] if quick else [1, 2, 4, 8]:
+        x = jax.random.normal(jax.random.fold_in(kx, tokens), (tokens, r), jnp.float32).astype(jnp.bfloat16)
+        _, experts = jax.lax.top_k(jax.random.uniform(jax.random.fold_in(kr, tokens), (tokens, e)), top_k)
+        weights = jnp.full((tokens, top_k), 1.0 / top_k, jnp.float32)
+        active = len(np.unique(np.asarray(experts)))
+        wbytes = active * (w1.nbytes + w3.nbytes + w2.nbytes) / e
+        flops = 2.0 * tokens * top_k * 3 * f * r
+        case = f"MoE tokens={tokens}"
+        guarded(case, lambda: print(f"  {case}: fused vs sorted rel err "
+                                    f"{rel_err(fused(x, weights, experts), dispatched(x, weights, experts)):.2e}"))
+        for impl, fn in (("pallas fused MoE (one kernel)", fused), ("pallas sorted dispatch", dispatched)):
+            guarded(f"{case} {impl}", lambda: record(case, impl, timed(fn, x, weights, experts), flops, wbytes,
+                                                     f"{active} experts"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer shapes and tile configs")
-    parser.add_argument("--skip", default="", help="comma list of sections to skip: check,dense,grouped")
+    parser.add_argument("--skip", default="", help="comma list of sections to skip: check,dense,grouped,moe")
     parser.add_argument("--only", choices=["decode"], help="decode: batch-1 rows only (module docstring)")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -391,7 +421,8 @@ def main() -> None:
     key = jax.random.key(0)
     for name, fn in [("check", lambda: check_correctness(key, focus)),
                      ("dense", lambda: bench_dense(key, args.quick, focus)),
-                     ("grouped", lambda: bench_grouped(key, args.quick, focus))]:
+                     ("grouped", lambda: bench_grouped(key, args.quick, focus)),
+                     ("moe", lambda: bench_moe(key, args.quick))]:
         if name in skip:
             continue
         try:

@@ -6,8 +6,10 @@ import numpy as np
 import pytest
 
 from k3jax.mx import MXTensor
+from k3jax.functional.moe import moe_dense, situ
 from pallas_kernels.mx_matmul import (
     MXBlocks,
+    fused_moe_mx,
     grouped_mx_matmul,
     grouped_mx_matmul_reference,
     mx_matmul,
@@ -155,3 +157,22 @@ def test_shape_errors(weight, experts):
         grouped_mx_matmul(jnp.ones((4, K)), experts, GROUP_SIZES[:3])
     with pytest.raises(ValueError, match="dense only"):
         grouped_mx_matmul(jnp.ones((4, K)), experts, GROUP_SIZES, blocks=DECODE_THEN_DOT)
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_fused_moe_matches_dense_reference(tokens):
+    """One kernel for a few tokens (F = 96, R = 160: three and five scale blocks) against every
+    expert on every token combined by the routing weights, float32 on decoded weights."""
+    E, F, R, k = 6, 96, 160, 2
+    keys = jax.random.split(jax.random.key(20), 5)
+    w1, w3 = (MXTensor.quantize(jax.random.normal(kk, (E, F, R)) * R**-0.5) for kk in keys[:2])
+    w2 = MXTensor.quantize(jax.random.normal(keys[2], (E, R, F)) * F**-0.5)
+    x = bf16_normal(keys[3], (tokens, R))
+    experts = jnp.array([[4, 1], [1, 0], [5, 4]], jnp.int32)[:tokens]  # expert 1 and 4 shared by tokens
+    weights = jax.random.uniform(keys[4], (tokens, k))
+    out = fused_moe_mx(x, w1, w3, w2, weights, experts, situ)
+    ref = moe_dense(x, *(w.decode(jnp.float32) for w in (w1, w3, w2)), weights, experts, situ)
+    assert out.shape == (tokens, R) and out.dtype == jnp.float32
+    assert rel_err(out, ref) < 1e-5
+    with pytest.raises(ValueError, match="disagree"):
+        fused_moe_mx(x, w1, w3, w1, weights, experts, situ)

@@ -3,6 +3,7 @@
 
 import jax
 import jax.numpy as jnp
+import pytest
 from flax import nnx
 
 from k3jax.implementation import use_implementation
@@ -60,10 +61,11 @@ def test_kda_layer_ragged_rows():
     assert rel_err(pal[3][1], pal[4]) < 5e-3  # row 1's state is the state after its 13 tokens
 
 
-def test_moe_layer_with_packed_experts():
+@pytest.mark.parametrize("tokens", [(3, 1), (5, 7)])  # 6 (token, expert) pairs: fused decode kernel; 70: sorted
+def test_moe_layer_with_packed_experts(tokens):
     cfg = preset("tiny")
     layer = MoE(cfg.hidden_size, cfg.moe, activation("situ"), cfg.rms_norm_eps, rngs=nnx.Rngs(3), packed_experts=True)
     graph, params = nnx.split(layer)
-    x = jax.random.normal(jax.random.key(4), (3, 7, cfg.hidden_size))
+    x = jax.random.normal(jax.random.key(4), (*tokens, cfg.hidden_size))
     ref, pal = both(lambda p, x: nnx.merge(graph, p)(x), params, x)
     assert rel_err(pal, ref) < 5e-3

@@ -56,6 +56,15 @@ def _expert_matmul(x: Array, w: Array | MXTensor, group_sizes: Array) -> Array:
     return grouped_matmul(x, w, group_sizes)
 
 
+def _fused_decode(w: Array | MXTensor, pairs: int) -> bool:
+    """The Pallas path's one-kernel MoE for a few (token, expert) pairs (decode) on MXFP4 experts."""
+    if not isinstance(w, MXTensor) or get_implementation() != "pallas":
+        return False
+    from pallas_kernels.mx_matmul import FUSED_MOE_MAX_PAIRS
+
+    return pairs <= FUSED_MOE_MAX_PAIRS
+
+
 def _dense(w: Array | MXTensor, dtype) -> Array:
     return w.decode(dtype) if isinstance(w, MXTensor) else w
 
@@ -96,6 +105,10 @@ class MoE(nnx.Module):
         mesh = expert_mesh()
         if mesh is not None:
             y = moe_expert_parallel(z, w1, w3, w2, weights, experts, self.act, _expert_matmul, mesh)
+        elif self.dispatch == "sorted" and _fused_decode(w1, experts.size):
+            from pallas_kernels.mx_matmul import fused_moe_mx
+
+            y = fused_moe_mx(z, w1, w3, w2, weights, experts, self.act)
         elif self.dispatch == "sorted":
             y = moe_sorted(z, w1, w3, w2, weights, experts, self.act, matmul=_expert_matmul)
         else:

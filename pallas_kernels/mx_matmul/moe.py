@@ -1,0 +1,152 @@
+"""Fused routed-expert MoE for a few tokens (decode): one kernel, no sort and no scatter.
+
+``fused_moe_mx(x, w1, w3, w2, weights, experts, act)`` computes, for x [T, R] and each of its k
+(token, expert) pairs, ``y[t] += weight * act(x[t] w1[e]^T, x[t] w3[e]^T) w2[e]^T`` with MXFP4
+expert stacks w1, w3 [E, F, R] and w2 [E, R, F] (the released layout). The sorted dispatch needs
+an argsort, a bincount, a gather, three grouped matmuls and a scatter per layer; at decode sizes
+those small kernels cost more than the weights take to stream. Here one program owns a pair and
+a block of bf hidden units:
+
+1. gate and up for its bf rows of w1 and w3, by the one-row products of the MX kernels (decoded
+   codes times the matching even / odd columns of x on the CUDA cores, float32 sums). The rows are
+   read as their even and odd halves (a free view of the stack, [E, F/2, 2, ...]), so the hidden
+   values come out split the way step 2 needs them;
+2. h = act(gate, up), rounded to x's dtype as the reference's matmul outputs are;
+3. its bf columns of w2 (one or more 32-element scale blocks along F) times h, added into the
+   float32 output rows of its token with atomic adds, scaled by the routing weight.
+
+The grid is (pairs, F / bf); programs of one pair read disjoint weights, so every routed weight
+byte is read once per pair. Interpret mode on CPU runs the same body (the decode emulated).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from k3jax.implementation import pallas_interpret
+from k3jax.mx import BLOCK, MXTensor
+from k3jax.typing import Array
+from pallas_kernels.mx_matmul.kernel import SCALE_BLOCK_BYTES, MXBlocks, _gpu_compiler_params, decode_weight_planes
+from pallas_kernels.mx_matmul.ops import _largest_pow2_divisor
+
+
+def _one_row_products(codes_at, scales_at, x_refs, token, n_steps: int, bk: int, method: str, interpret: bool):
+    """float32 [rows] = sum over loop steps i of decoded w tiles [rows, bk/2] (even, odd planes) times
+    the matching x planes of ``token``; codes_at(i), scales_at(i) load step i's tiles."""
+    half = bk // 2
+
+    def step(i, acc):
+        cols = pl.ds(pl.multiple_of(i * half, half), half)
+        planes = decode_weight_planes(codes_at(i), scales_at(i), method, interpret)
+        for x_ref, w in zip(x_refs, planes):
+            acc = acc + w.astype(jnp.float32) * x_ref[token, cols].astype(jnp.float32)[None, :]
+        return acc
+
+    rows = codes_at(0).shape[0]
+    return jnp.sum(jax.lax.fori_loop(0, n_steps, step, jnp.zeros((rows, half), jnp.float32)), axis=1)
+
+
+def _fused_moe_kernel(experts_ref, weights_ref, x_even_ref, x_odd_ref, w1c_ref, w1s_ref, w3c_ref, w3s_ref,
+                      w2c_ref, w2s_ref, y_init_ref, y_ref, *, k: int, bf: int, bk: int, br: int, act,
+                      h_dtype, method: str, interpret: bool):
+    """Refs: experts, weights [T*k]; x_even, x_odd [T, R/2]; w1, w3 codes [E, F/2, 2, R/32, 16] and
+    scales [..., 1]; w2 codes [E, R, F/32, 16] and scales [..., 1]; y [T, R] float32 (aliased to
+    y_init, zeros). Program (pair, block of bf hidden units)."""
+    pair, block = pl.program_id(0), pl.program_id(1)
+    expert, token, weight = experts_ref[pair], pair // k, weights_ref[pair]
+    x_refs = (x_even_ref, x_odd_ref)
+    R = 2 * x_even_ref.shape[1]
+    rows = pl.ds(pl.multiple_of(block * (bf // 2), bf // 2), bf // 2)
+    g = bk // BLOCK
+
+    def project(codes_ref, scales_ref, parity):
+        at = lambda ref: lambda i: ref[expert, rows, parity, pl.ds(pl.multiple_of(i * g, g), g), :]
+        return _one_row_products(at(codes_ref), at(scales_ref), x_refs, token, R // bk, bk, method, interpret)
+
+    def hidden(parity):
+        gate = project(w1c_ref, w1s_ref, parity).astype(h_dtype)
+        up = project(w3c_ref, w3s_ref, parity).astype(h_dtype)
+        return act(gate, up).astype(jnp.float32)
+
+    h = (hidden(0), hidden(1))  # hidden units 2i and 2i + 1 of the block: w2's even / odd columns
+    f_blocks = pl.ds(pl.multiple_of(block * (bf // BLOCK), bf // BLOCK), bf // BLOCK)
+
+    def down(j, carry):
+        out_rows = pl.ds(pl.multiple_of(j * br, br), br)
+        planes = decode_weight_planes(w2c_ref[expert, out_rows, f_blocks, :], w2s_ref[expert, out_rows, f_blocks, :],
+                                      method, interpret)
+        y = sum(jnp.sum(w.astype(jnp.float32) * h_p[None, :], axis=1) for w, h_p in zip(planes, h))
+        pltriton.atomic_add(y_ref, (token, out_rows), weight * y)  # runs in interpret mode too
+        return carry
+
+    jax.lax.fori_loop(0, R // br, down, 0)
+
+
+def _stack_views(w: MXTensor, rows_in_pairs: bool) -> tuple[Array, Array]:
+    """Free views of a stack's codes [E, N, K/2] and scales [E, N, K/32]: [E, N, K/32, 16] and
+    [E, N, K/32, 1], or with rows_in_pairs [E, N/2, 2, K/32, 16] and [E, N/2, 2, K/32, 1]."""
+    E, N, half = w.codes.shape
+    lead = (E, N // 2, 2) if rows_in_pairs else (E, N)
+    return (w.codes.reshape(*lead, half // SCALE_BLOCK_BYTES, SCALE_BLOCK_BYTES),
+            w.scales.reshape(*lead, w.scales.shape[-1], 1))
+
+
+@functools.partial(jax.jit, static_argnames=("act", "blocks", "bf", "br", "interpret"))
+def _fused_moe_mx(x, w1, w3, w2, weights, experts, *, act, blocks, bf, br, interpret):
+    T, R = x.shape
+    k = experts.shape[1]
+    F = w1.shape[1]
+    xb = x.astype(jnp.bfloat16)
+    kernel = functools.partial(_fused_moe_kernel, k=k, bf=bf, bk=blocks.bk, br=br, act=act, h_dtype=x.dtype,
+                               method=blocks.decode, interpret=interpret)
+    y = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((T, R), jnp.float32),
+        grid=(T * k, F // bf),
+        input_output_aliases={10: 0},
+        compiler_params=_gpu_compiler_params(blocks, interpret),
+        interpret=interpret,
+        name="fused_moe_mx",
+    )(experts.reshape(-1).astype(jnp.int32), weights.reshape(-1).astype(jnp.float32), xb[:, 0::2], xb[:, 1::2],
+      *_stack_views(w1, True), *_stack_views(w3, True), *_stack_views(w2, False), jnp.zeros((T, R), jnp.float32))
+    return y.astype(x.dtype)
+
+
+FUSED_MOE_BLOCKS = MXBlocks(bm=1, bn=32, bk=256, num_warps=4, num_stages=2, gemv=True)
+FUSED_MOE_MAX_PAIRS = 64  # (token, expert) pairs up to which the MoE layer uses this kernel (Pallas path)
+
+
+def fused_moe_mx(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, weights: Array, experts: Array, act, *,
+                 blocks: MXBlocks = FUSED_MOE_BLOCKS, interpret: bool | None = None) -> Array:
+    """Routed experts for a few tokens in one kernel: x [T, R] (bf16/f32), MXFP4 stacks w1, w3
+    [E, F, R] and w2 [E, R, F], weights float32 [T, k], experts int32 [T, k], act(gate, up) ->
+    hidden. Returns sum over the k pairs of weight * expert(x), [T, R] in x's dtype (float32
+    accumulation). ``blocks.bn`` (hidden units per program, a multiple of 32 dividing F) and
+    ``blocks.bk`` (a power of two dividing R) are shrunk to fit."""
+    for name, w, shape in (("w1", w1, None), ("w3", w3, w1.shape), ("w2", w2, None)):
+        if not isinstance(w, MXTensor) or w.format != "mxfp4" or w.ndim != 3:
+            raise ValueError(f"{name} must be an MXFP4 MXTensor [E, N, K], got {w!r:.200}")
+        if shape is not None and w.shape != shape:
+            raise ValueError(f"{name} shape {w.shape} differs from w1's {shape}")
+    E, F, R = w1.shape
+    if x.ndim != 2 or x.shape[1] != R or w2.shape != (E, R, F):
+        raise ValueError(f"x [T, R] = {x.shape}, w1 [E, F, R] = {w1.shape}, w2 [E, R, F] = {w2.shape} disagree")
+    if weights.shape != experts.shape or weights.shape[0] != x.shape[0]:
+        raise ValueError(f"weights {weights.shape} and experts {experts.shape} must both be [T, k], T = {x.shape[0]}")
+    if F % BLOCK or R % BLOCK:
+        raise ValueError(f"F = {F} and R = {R} must be multiples of {BLOCK}")
+    bf = BLOCK * _largest_pow2_divisor(F // BLOCK, max(blocks.bn // BLOCK, 1))
+    bk = BLOCK * _largest_pow2_divisor(R // BLOCK, max(blocks.bk // BLOCK, 1))
+    br = BLOCK * _largest_pow2_divisor(R // BLOCK, 4)
+    interpret = pallas_interpret() if interpret is None else interpret
+    return _fused_moe_mx(x, w1, w3, w2, weights, experts, act=act, blocks=dataclasses.replace(blocks, bk=bk),
+                         bf=bf, br=br, interpret=interpret)
+
+
+__all__ = ["FUSED_MOE_BLOCKS", "FUSED_MOE_MAX_PAIRS", "fused_moe_mx"]
