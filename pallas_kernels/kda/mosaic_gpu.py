@@ -37,13 +37,15 @@ CHUNK = 32
 BLOCK_V = 64
 WGMMA_ROWS = 64  # rows of a wgmma product per warpgroup
 _F32, _BF16 = jnp.float32, jnp.bfloat16
-_N_LOADS = 6  # tiles brought in per chunk: W, U, decayed q, A_qk, decayed k^T, exp(G_C)
+_N_LOADS = 6  # tiles brought in per chunk: W, U, decayed q, A_qk, decayed k, exp(G_C)
 _INTRA_BLOCKS = KDABlocks(chunk=CHUNK, inter_dtype="bfloat16")
 
 
 def interpret_params():
-    """Mosaic GPU's interpret mode parameters (CPU). JAX 0.10 and 0.11 keep the class under
-    ``jax._src``; no public name for it exists in either."""
+    """Mosaic GPU's interpret mode parameters (CPU): ``plgpu.InterpretGPUParams`` in JAX 0.11; JAX
+    0.10 has the class only under ``jax._src``."""
+    if hasattr(plgpu, "InterpretGPUParams"):
+        return plgpu.InterpretGPUParams()
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
     return InterpretGPUParams()
