@@ -56,6 +56,10 @@ DECODE_VARIANTS = {  # measured 2026-11-30: v64w4 3.26 TB/s, v32w4 2.89, v128w4 
     "v64w2": KDABlocks(decode_block_v=64, warps_decode=2),
     "v32w2": KDABlocks(decode_block_v=32, warps_decode=2),
     "v32w1": KDABlocks(decode_block_v=32, warps_decode=1),
+    "v64r4s2": KDABlocks(decode_block_v=64, decode_rows=4, stages_decode=2),
+    "v64r8s3": KDABlocks(decode_block_v=64, decode_rows=8, stages_decode=3),
+    "v64r48s3": KDABlocks(decode_block_v=64, decode_rows=48, stages_decode=3),
+    "v128r8s2w8": KDABlocks(decode_block_v=128, decode_rows=8, stages_decode=2, warps_decode=8),
 }
 
 

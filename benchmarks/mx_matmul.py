@@ -383,17 +383,18 @@ def bench_grouped(key, quick: bool, focus: bool) -> None:
         del w
 
 
-def bench_moe(key, quick: bool) -> None:
+def bench_moe(key, quick: bool, shape=(896, 3072, 3584, 16)) -> None:
     """The routed experts of one K3 MoE layer at decode sizes (896 experts, 16 per token, latent
     3584, hidden 3072, SiTU): the fused one-kernel MoE against the sorted dispatch through the
     grouped kernel (argsort, gather, three grouped calls, scatter), both jitted whole."""
-    e, f, r, top_k = 896, 3072, 3584, 16
+    e, f, r, top_k = shape  # experts, hidden, latent, experts per token
     print(f"== MoE layer (routed): {e} experts, top {top_k}, {r} -> {f} -> {r}", flush=True)
     k1, k3, k2, kx, kr = jax.random.split(jax.random.fold_in(key, 7), 5)
     w1, w3, w2 = random_mx(k1, (e, f, r)), random_mx(k3, (e, f, r)), random_mx(k2, (e, r, f))
-    fused = jax.jit(lambda x, wt, ex: fused_moe_mx(x, w1, w3, w2, wt, ex, situ))
+    fused = jax.jit(lambda x, wt, ex, *w: fused_moe_mx(x, *w, wt, ex, situ))
     matmul = lambda x, w, gs: grouped_mx_matmul(x, w, gs)
-    dispatched = jax.jit(lambda x, wt, ex: moe_sorted(x, w1, w3, w2, wt, ex, situ, matmul=matmul))
+    dispatched = jax.jit(lambda x, wt, ex, *w: moe_sorted(x, *w, wt, ex, situ, matmul=matmul))
+    stacks = (w1, w3, w2)  # arguments, not constants captured by the jitted functions
     for tokens in [1, 4] if quick else [1, 2, 4, 8]:
         x = jax.random.normal(jax.random.fold_in(kx, tokens), (tokens, r), jnp.float32).astype(jnp.bfloat16)
         _, experts = jax.lax.top_k(jax.random.uniform(jax.random.fold_in(kr, tokens), (tokens, e)), top_k)
@@ -403,9 +404,9 @@ def bench_moe(key, quick: bool) -> None:
         flops = 2.0 * tokens * top_k * 3 * f * r
         case = f"MoE tokens={tokens}"
         guarded(case, lambda: print(f"  {case}: fused vs sorted rel err "
-                                    f"{rel_err(fused(x, weights, experts), dispatched(x, weights, experts)):.2e}"))
+                                    f"{rel_err(fused(x, weights, experts, *stacks), dispatched(x, weights, experts, *stacks)):.2e}"))
         for impl, fn in (("pallas fused MoE (one kernel)", fused), ("pallas sorted dispatch", dispatched)):
-            guarded(f"{case} {impl}", lambda: record(case, impl, timed(fn, x, weights, experts), flops, wbytes,
+            guarded(f"{case} {impl}", lambda: record(case, impl, timed(fn, x, weights, experts, *stacks), flops, wbytes,
                                                      f"{active} experts"))
 
 

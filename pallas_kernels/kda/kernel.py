@@ -43,8 +43,10 @@ class KDABlocks:
     block_v:        value columns of the state per program of the state walk (divides V)
     inter_dtype:    dtype of W, U, A_qk, decayed q/k between the kernels and of the walk's matmul
                     operands ("bfloat16" or "float32"); the state itself stays float32
-    warps_intra, warps_walk, stages_walk, warps_decode: Triton launch parameters (ignored off GPU)
+    warps_intra, warps_walk, stages_walk, warps_decode, stages_decode: Triton launch parameters (ignored off GPU)
     decode_block_v: value columns of the state per program of the decode step
+    decode_rows:    (batch, head) rows per decode program: 1 = one block per program; more = a loop
+                    over rows whose loads Triton may prefetch (``stages_decode`` deep)
     """
 
     chunk: int = 32
@@ -55,6 +57,8 @@ class KDABlocks:
     stages_walk: int = 2
     decode_block_v: int = 64
     warps_decode: int = 4
+    decode_rows: int = 1
+    stages_decode: int = 1
 
     def __post_init__(self):
         if self.chunk % TILE or self.chunk <= 0:
@@ -272,25 +276,54 @@ def state_walk(w, u, qg, kg, aqk, gend, initial_state, *, blocks):
     )(*args)
 
 
-def _decode_kernel(*refs, scale, fused, lower_bound):
+def _decode_update(q, k, v, g, beta, state, gate, *, scale, lower_bound):
+    """One token's KDA update of a [K, bv] state block. q, k, g [K]; v [bv]; beta [1]; gate None, or
+    (exp(A_log), dt_bias) [K] for raw inputs. Returns (o [bv], new state [K, bv]), float32."""
+    q, k, g, beta = (x.astype(_F32) for x in (q, k, g, beta))
+    if gate is not None:  # raw inputs: L2-normalize q, k; bounded gate from z; sigmoid of the beta logit
+        q, k = _l2_normalize(q), _l2_normalize(k)
+        g = lower_bound * _sigmoid(gate[0] * (g + gate[1]))
+        beta = _sigmoid(beta)
+    state = state * jnp.exp(g)[:, None]  # decayed state
+    # Both reductions read the decayed state, so they run together: with S' = S + (beta k) r^T,
+    # o = S'^T q = S^T q + (beta k . q) r.
+    sk, sq = jnp.sum(state * k[:, None], axis=0), jnp.sum(state * q[:, None], axis=0)  # [bv]
+    residual = v.astype(_F32) - sk
+    kb = k * beta
+    return scale * (sq + jnp.sum(kb * q) * residual), state + kb[:, None] * residual[None, :]
+
+
+def _decode_kernel(*refs, fused, **kw):
+    """Blocked refs of one (batch, head, value block)."""
+    if fused:
+        q_ref, k_ref, v_ref, g_ref, beta_ref, a_ref, dtb_ref, s_ref, o_ref, s_out_ref = refs
+        gate = (a_ref[...], dtb_ref[...])
+    else:
+        q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, s_out_ref = refs
+        gate = None
+    o_ref[...], s_out_ref[...] = _decode_update(q_ref[...], k_ref[...], v_ref[...], g_ref[...], beta_ref[...],
+                                                s_ref[...], gate, **kw)
+
+
+def _decode_rows_kernel(*refs, fused, rows, bv, heads, **kw):
+    """Whole-array refs over flattened (batch, head) rows; the program walks ``rows`` of them in a
+    loop (whose loads Triton can prefetch) for one value block."""
     if fused:
         q_ref, k_ref, v_ref, g_ref, beta_ref, a_ref, dtb_ref, s_ref, o_ref, s_out_ref = refs
     else:
         q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, s_out_ref = refs
-    q, k, g = q_ref[...].astype(_F32), k_ref[...].astype(_F32), g_ref[...].astype(_F32)  # [K]
-    beta = beta_ref[...].astype(_F32)  # [1]
-    if fused:  # raw inputs: L2-normalize q, k; bounded gate from z; sigmoid of the beta logit
-        q, k = _l2_normalize(q), _l2_normalize(k)
-        g = lower_bound * _sigmoid(a_ref[...] * (g + dtb_ref[...]))
-        beta = _sigmoid(beta)
-    state = s_ref[...] * jnp.exp(g)[:, None]  # decayed state [K, bv]
-    # Both reductions read the decayed state, so they run together: with S' = S + (beta k) r^T,
-    # o = S'^T q = S^T q + (beta k . q) r.
-    sk, sq = jnp.sum(state * k[:, None], axis=0), jnp.sum(state * q[:, None], axis=0)  # [bv]
-    residual = v_ref[...].astype(_F32) - sk
-    kb = k * beta
-    o_ref[...] = scale * (sq + jnp.sum(kb * q) * residual)
-    s_out_ref[...] = state + kb[:, None] * residual[None, :]
+    first, cols = pl.program_id(0) * rows, pl.ds(pl.multiple_of(pl.program_id(1) * bv, bv), bv)
+
+    def step(i, carry):
+        row = first + i
+        gate = (a_ref[row % heads, :], dtb_ref[row % heads, :]) if fused else None
+        o, state = _decode_update(q_ref[row, :], k_ref[row, :], v_ref[row, cols], g_ref[row, :], beta_ref[row, :],
+                                  s_ref[row, :, cols], gate, **kw)
+        o_ref[row, cols] = o
+        s_out_ref[row, :, cols] = state
+        return carry
+
+    jax.lax.fori_loop(0, rows, step, 0)
 
 
 def decode_step(q, k, v, g, beta, state, gate_params=None, *, scale, blocks, lower_bound=0.0):
@@ -304,22 +337,30 @@ def decode_step(q, k, v, g, beta, state, gate_params=None, *, scale, blocks, low
     V = v.shape[-1]
     bv = min(blocks.decode_block_v, V)
     fused = gate_params is not None
+    args = [q, k, v, g, beta[..., None]] + (list(gate_params) if fused else [])
+    out_shape = [jax.ShapeDtypeStruct((B, H, V), _F32), jax.ShapeDtypeStruct((B, H, K, V), _F32)]
+    common = dict(input_output_aliases={len(args): 1}, interpret=interpret(), name="kda_decode_step",
+                  compiler_params=compiler_params(blocks.warps_decode, blocks.stages_decode))
+    kw = dict(fused=fused, scale=scale, lower_bound=lower_bound)
+    rows = blocks.decode_rows
+    if rows > 1:
+        if (B * H) % rows:
+            raise ValueError(f"decode_rows {rows} must divide B * H = {B * H}")
+        flat = lambda x: x.reshape(B * H, *x.shape[2:])
+        args = [flat(x) for x in args[:5]] + args[5:]
+        out_shape = [jax.ShapeDtypeStruct((B * H, *o.shape[2:]), _F32) for o in out_shape]
+        kernel = functools.partial(_decode_rows_kernel, rows=rows, bv=bv, heads=H, **kw)
+        o, new_state = pl.pallas_call(kernel, grid=(B * H // rows, V // bv), out_shape=out_shape, **common)(
+            *args, flat(state.astype(_F32)))
+        return o.reshape(B, H, V), new_state.reshape(B, H, K, V)
     vec = pl.BlockSpec((None, None, K), lambda b, h, j: (b, h, 0))
     v_spec = pl.BlockSpec((None, None, bv), lambda b, h, j: (b, h, j))
     s_spec = pl.BlockSpec((None, None, K, bv), lambda b, h, j: (b, h, 0, j))
     in_specs = [vec, vec, v_spec, vec, pl.BlockSpec((None, None, 1), lambda b, h, j: (b, h, 0))]
-    args = [q, k, v, g, beta[..., None]]
-    if fused:
-        in_specs += [pl.BlockSpec((None, K), lambda b, h, j: (h, 0))] * 2
-        args += list(gate_params)
-    kernel = functools.partial(_decode_kernel, scale=scale, fused=fused, lower_bound=lower_bound)
+    in_specs += [pl.BlockSpec((None, K), lambda b, h, j: (h, 0))] * (2 if fused else 0)
     return pl.pallas_call(
-        kernel, grid=(B, H, V // bv),
-        in_specs=in_specs + [s_spec], out_specs=[v_spec, s_spec],
-        out_shape=[jax.ShapeDtypeStruct((B, H, V), _F32), jax.ShapeDtypeStruct((B, H, K, V), _F32)],
-        input_output_aliases={len(args): 1}, compiler_params=compiler_params(blocks.warps_decode, 1),
-        interpret=interpret(),
-        name="kda_decode_step",
+        functools.partial(_decode_kernel, **kw), grid=(B, H, V // bv),
+        in_specs=in_specs + [s_spec], out_specs=[v_spec, s_spec], out_shape=out_shape, **common,
     )(*args, state.astype(_F32))
 
 
