@@ -56,13 +56,14 @@ def _expert_matmul(x: Array, w: Array | MXTensor, group_sizes: Array) -> Array:
     return grouped_matmul(x, w, group_sizes)
 
 
-def _fused_decode(w: Array | MXTensor, pairs: int) -> bool:
-    """The Pallas path's one-kernel MoE for a few (token, expert) pairs (decode) on MXFP4 experts."""
+def _fused_decode(w: Array | MXTensor, experts: Array) -> bool:
+    """The Pallas path's one-kernel MoE for a few (token, expert) pairs (decode) on MXFP4 experts,
+    where it measured faster than the sorted dispatch (``fused_moe_pays``)."""
     if not isinstance(w, MXTensor) or get_implementation() != "pallas":
         return False
-    from pallas_kernels.mx_matmul import FUSED_MOE_MAX_PAIRS
+    from pallas_kernels.mx_matmul import fused_moe_pays
 
-    return pairs <= FUSED_MOE_MAX_PAIRS
+    return fused_moe_pays(experts.size, experts.shape[-1], w.shape[1])
 
 
 def _dense(w: Array | MXTensor, dtype) -> Array:
@@ -105,7 +106,7 @@ class MoE(nnx.Module):
         mesh = expert_mesh()
         if mesh is not None:
             y = moe_expert_parallel(z, w1, w3, w2, weights, experts, self.act, _expert_matmul, mesh)
-        elif self.dispatch == "sorted" and _fused_decode(w1, experts.size):
+        elif self.dispatch == "sorted" and _fused_decode(w1, experts):
             from pallas_kernels.mx_matmul import fused_moe_mx
 
             y = fused_moe_mx(z, w1, w3, w2, weights, experts, self.act)

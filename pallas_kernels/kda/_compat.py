@@ -1,10 +1,16 @@
-"""The one version-specific shim: which Pallas lowering the KDA kernels ask for.
+"""The one version-specific shim: which Pallas lowering the KDA kernels use.
 
-On a GPU the kernels are written for Pallas' Triton lowering (plain ``jnp`` bodies, ``pl.ds`` slices,
-``lax.fori_loop``). JAX 0.10 picks Triton when no compiler parameters are given unless the
-``jax_pallas_use_mosaic_gpu`` flag is set; JAX 0.11 defaults to Mosaic GPU, and Triton is chosen by
-passing its ``CompilerParams``, which both versions accept. On a CPU the kernels run in interpret
-mode; on a TPU no parameters are passed and Mosaic TPU lowers the same bodies.
+Three lowerings (``KDABlocks.lowering``; "auto" picks by backend and JAX version):
+
+- "triton": the bodies in ``kernel.py`` (plain ``jnp``, ``pl.ds`` slices, ``lax.fori_loop``) through
+  Pallas' Triton lowering, on JAX 0.10 and 0.11. JAX 0.10 picks Triton when no compiler parameters
+  are given unless the ``jax_pallas_use_mosaic_gpu`` flag is set; JAX 0.11 defaults to Mosaic GPU,
+  and Triton is chosen by passing its ``CompilerParams``, which both versions accept.
+- "mosaic_gpu": ``mosaic_gpu.py``'s state walk (Hopper wgmma, TMA) after the Triton intra kernel;
+  the decode step stays Triton. "auto" on a GPU under JAX >= 0.11 with V a multiple of its block.
+- "mosaic_tpu": ``tpu.py``'s kernels ("auto" on a TPU).
+
+On a CPU every lowering runs in its interpret mode ("auto": the Triton bodies).
 """
 
 from __future__ import annotations
@@ -12,6 +18,30 @@ from __future__ import annotations
 import jax
 
 from k3jax.implementation import pallas_interpret
+
+
+LOWERINGS = ("auto", "triton", "mosaic_gpu", "mosaic_tpu")
+
+
+def check_lowering(name: str) -> None:
+    if name not in LOWERINGS:
+        raise ValueError(f"lowering {name!r}; expected one of {LOWERINGS}")
+
+
+def resolve_lowering(name: str, value_dim: int) -> str:
+    """The lowering "auto" stands for here (see the module docstring); others are returned as given."""
+    check_lowering(name)
+    if name != "auto":
+        return name
+    backend = jax.default_backend()
+    if backend == "tpu":
+        return "mosaic_tpu"
+    from pallas_kernels.kda import mosaic_gpu
+
+    newer = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 11)
+    if backend == "gpu" and newer and value_dim % mosaic_gpu.BLOCK_V == 0:
+        return "mosaic_gpu"
+    return "triton"
 
 
 def interpret() -> bool:
@@ -28,4 +58,4 @@ def compiler_params(num_warps: int, num_stages: int):
     return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-__all__ = ["interpret", "compiler_params"]
+__all__ = ["LOWERINGS", "check_lowering", "resolve_lowering", "interpret", "compiler_params"]

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda._compat import compiler_params, interpret
+from pallas_kernels.kda._compat import check_lowering, compiler_params, interpret
 
 TILE = 16
 _HI = jax.lax.Precision.HIGHEST
@@ -37,7 +37,7 @@ _F32 = jnp.float32
 
 @dataclasses.dataclass(frozen=True)
 class KDABlocks:
-    """Block sizes and dtypes of the KDA kernels.
+    """Block sizes, dtypes and lowering of the KDA kernels.
 
     chunk:          tokens per step of the state walk, a multiple of 16 (built of 16-token sub-tiles)
     block_v:        value columns of the state per program of the state walk (divides V)
@@ -47,6 +47,8 @@ class KDABlocks:
     decode_block_v: value columns of the state per program of the decode step
     decode_rows:    (batch, head) rows per decode program: 1 = one block per program; more = a loop
                     over rows whose loads Triton may prefetch (``stages_decode`` deep)
+    lowering:       "auto", "triton", "mosaic_gpu" or "mosaic_tpu" (``_compat``); chunk and block
+                    sizes above are the Triton kernels'; the Mosaic ones use their modules' own
     """
 
     chunk: int = 32
@@ -59,10 +61,12 @@ class KDABlocks:
     warps_decode: int = 4
     decode_rows: int = 1
     stages_decode: int = 1
+    lowering: str = "auto"
 
     def __post_init__(self):
         if self.chunk % TILE or self.chunk <= 0:
             raise ValueError(f"chunk must be a positive multiple of {TILE}, got {self.chunk}")
+        check_lowering(self.lowering)
 
 
 def _sigmoid(x):

@@ -13,6 +13,9 @@ autodiff: forward by the kernels, backward by ``jax.vjp`` of the pure-JAX chunke
 The kernels need the bounded gate: every g >= -10 (K3's gate has g > lower_bound = -5). Sixteen
 such steps stay inside float32's exponent range when factored around the sub-tile midpoint. Pass
 ``safe_gate=False`` for unbounded gates (Kimi Linear's softplus gate): that runs the reference.
+
+Lowering: ``KDABlocks.lowering`` ("auto" by backend and JAX version, "triton", "mosaic_gpu",
+"mosaic_tpu"; see ``_compat``); on a CPU each runs in its interpret mode.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.kda import reference
+from pallas_kernels.kda import mosaic_gpu, reference, tpu
+from pallas_kernels.kda._compat import interpret, resolve_lowering
 from pallas_kernels.kda.kernel import KDABlocks, decode_step, intra_chunk, state_walk
 
 DEFAULT_BLOCKS = KDABlocks()
@@ -40,11 +44,37 @@ def _pad_tokens(arrays, chunk):
 def _forward(q, k, v, g, beta, gate_params, initial_state, scale, lower_bound, blocks):
     B, T, H, K = q.shape
     scale = K**-0.5 if scale is None else scale
-    q, k, v, g, beta = _pad_tokens([q, k, v, g, beta], blocks.chunk)
-    inter = intra_chunk(q, k, v, g, beta, gate_params, seq_len=T, scale=scale, blocks=blocks,
-                        lower_bound=lower_bound)
-    o, state = state_walk(*inter, initial_state, blocks=blocks)
+    kw = dict(seq_len=T, scale=scale, lower_bound=lower_bound)
+    lowering = resolve_lowering(blocks.lowering, v.shape[-1])
+    if lowering == "mosaic_tpu":
+        padded = _pad_tokens([q, k, v, g, beta], tpu.DEFAULT_CHUNK)
+        o, state = tpu.forward(*padded, gate_params, initial_state, chunk=tpu.DEFAULT_CHUNK,
+                               interpret=_tpu_interpret(), **kw)
+    elif lowering == "mosaic_gpu":
+        padded = _pad_tokens([q, k, v, g, beta], mosaic_gpu.CHUNK)
+        o, state = mosaic_gpu.forward(*padded, gate_params, initial_state,
+                                      interpret=mosaic_gpu.interpret_params() if interpret() else False, **kw)
+    else:
+        padded = _pad_tokens([q, k, v, g, beta], blocks.chunk)
+        inter = intra_chunk(*padded, gate_params, blocks=blocks, **kw)
+        o, state = state_walk(*inter, initial_state, blocks=blocks)
     return o[:, :T], state
+
+
+def _tpu_interpret():
+    """False on a TPU; Pallas' TPU interpret mode elsewhere."""
+    if jax.default_backend() == "tpu":
+        return False
+    from jax.experimental.pallas import tpu as pltpu
+
+    return pltpu.InterpretParams()
+
+
+def _decode(q, k, v, g, beta, state, gate_params, *, scale, blocks, lower_bound=0.0):
+    if resolve_lowering(blocks.lowering, v.shape[-1]) == "mosaic_tpu":
+        return tpu.decode_step(q, k, v, g, beta, state, gate_params, scale=scale, lower_bound=lower_bound,
+                               interpret=_tpu_interpret())
+    return decode_step(q, k, v, g, beta, state, gate_params, scale=scale, blocks=blocks, lower_bound=lower_bound)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
@@ -126,7 +156,7 @@ def step_kda(q, k, v, g, beta, state, scale=None, *, blocks: KDABlocks = DEFAULT
     q, k, g [B, H, K], v [B, H, V], beta [B, H], state [B, H, K, V] float32 -> (o float32 [B, H, V],
     state). Any gate works here (no factorization). Not differentiable."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return decode_step(q, k, v, g, beta, state, scale=scale, blocks=blocks)
+    return _decode(q, k, v, g, beta, state, None, scale=scale, blocks=blocks)
 
 
 def step_kda_fused(q, k, v, z, a_log, dt_bias, beta_logits, state, lower_bound: float = -5.0, scale=None, *,
@@ -136,8 +166,8 @@ def step_kda_fused(q, k, v, z, a_log, dt_bias, beta_logits, state, lower_bound: 
     The q/k L2 norms, K3's bounded gate and the beta sigmoid run inside the kernel. Returns
     (o float32 [B, H, V], state). Not differentiable."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return decode_step(q, k, v, z, beta_logits, state, _gate_params(a_log, dt_bias, q.shape[-1]), scale=scale,
-                       blocks=blocks, lower_bound=float(lower_bound))
+    return _decode(q, k, v, z, beta_logits, state, _gate_params(a_log, dt_bias, q.shape[-1]), scale=scale,
+                   blocks=blocks, lower_bound=float(lower_bound))
 
 
 __all__ = ["DEFAULT_BLOCKS", "MIN_LOWER_BOUND", "KDABlocks", "chunk_kda", "chunk_kda_fused", "step_kda",

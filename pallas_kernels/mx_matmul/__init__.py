@@ -2,15 +2,15 @@
 float32 references. See README.md in this folder for the maths, layout and tiling."""
 
 from pallas_kernels.mx_matmul.kernel import MXBlocks
-from pallas_kernels.mx_matmul.moe import FUSED_MOE_MAX_PAIRS, fused_moe_mx
+from pallas_kernels.mx_matmul.moe import fused_moe_mx, fused_moe_pays
 from pallas_kernels.mx_matmul.ops import default_blocks, grouped_mx_matmul, mx_matmul
 from pallas_kernels.mx_matmul.reference import grouped_mx_matmul_reference, mx_matmul_reference
 
 __all__ = [
-    "FUSED_MOE_MAX_PAIRS",
     "MXBlocks",
     "default_blocks",
     "fused_moe_mx",
+    "fused_moe_pays",
     "grouped_mx_matmul",
     "grouped_mx_matmul_reference",
     "mx_matmul",

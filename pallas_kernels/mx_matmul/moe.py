@@ -119,7 +119,16 @@ def _fused_moe_mx(x, w1, w3, w2, weights, experts, *, act, blocks, bf, br, inter
 
 
 FUSED_MOE_BLOCKS = MXBlocks(bm=1, bn=32, bk=256, num_warps=4, num_stages=2, gemv=True)
-FUSED_MOE_MAX_PAIRS = 64  # (token, expert) pairs up to which the MoE layer uses this kernel (Pallas path)
+FUSED_MOE_MAX_PAIRS = 64  # (token, expert) pairs up to which the MoE layer may use this kernel
+FUSED_MOE_MAX_ADDERS = 256  # programs adding into one output row (k * F / bf) beyond which atomics contend
+
+
+def fused_moe_pays(pairs: int, experts_per_token: int, hidden: int, blocks: MXBlocks = FUSED_MOE_BLOCKS) -> bool:
+    """Whether the MoE layer should take this kernel: few pairs, and few programs adding into each
+    output row. Measured on the H200 (benchmarks/RESULTS.md): at the `mini` preset's 8 x 24 = 192 adders
+    the fused kernel took the batch-1 decode step from 1.50 to 1.40 ms; at K3's 16 x 96 = 1536 it
+    was 1.13x slower than the sorted dispatch at 1 token and 1.9x at 8 (atomics on the same rows)."""
+    return pairs <= FUSED_MOE_MAX_PAIRS and experts_per_token * hidden // blocks.bn <= FUSED_MOE_MAX_ADDERS
 
 
 def fused_moe_mx(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, weights: Array, experts: Array, act, *,
@@ -149,4 +158,4 @@ def fused_moe_mx(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, weights: Ar
                          bf=bf, br=br, interpret=interpret)
 
 
-__all__ = ["FUSED_MOE_BLOCKS", "FUSED_MOE_MAX_PAIRS", "fused_moe_mx"]
+__all__ = ["FUSED_MOE_BLOCKS", "FUSED_MOE_MAX_ADDERS", "FUSED_MOE_MAX_PAIRS", "fused_moe_mx", "fused_moe_pays"]
