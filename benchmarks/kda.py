@@ -47,7 +47,7 @@ PREFILL_VARIANTS = {  # in order of priority: the first (the default) is timed t
     "c64w8_v64": KDABlocks(chunk=64, block_v=64, warps_intra=8),  # 2026-11-30: intra 7.07 ms, walk no faster
     "c64w4_v64": KDABlocks(chunk=64, block_v=64),
 }
-DECODE_VARIANTS = {  # measured 2026-11-30: v64w4 3.26 TB/s, v32w4 2.89, v128w4 3.08, v128w8 3.06, v64w8 3.16
+DECODE_VARIANTS = {  # measured: benchmarks/RESULTS.md, KDA runs 3 and 4 (v64w4, the default, is the fastest)
     "v32w4": KDABlocks(decode_block_v=32),
     "v64w4": KDABlocks(decode_block_v=64),
     "v128w4": KDABlocks(decode_block_v=128),
@@ -56,10 +56,6 @@ DECODE_VARIANTS = {  # measured 2026-11-30: v64w4 3.26 TB/s, v32w4 2.89, v128w4 
     "v64w2": KDABlocks(decode_block_v=64, warps_decode=2),
     "v32w2": KDABlocks(decode_block_v=32, warps_decode=2),
     "v32w1": KDABlocks(decode_block_v=32, warps_decode=1),
-    "v64r4s2": KDABlocks(decode_block_v=64, decode_rows=4, stages_decode=2),
-    "v64r8s3": KDABlocks(decode_block_v=64, decode_rows=8, stages_decode=3),
-    "v64r48s3": KDABlocks(decode_block_v=64, decode_rows=48, stages_decode=3),
-    "v128r8s2w8": KDABlocks(decode_block_v=128, decode_rows=8, stages_decode=2, warps_decode=8),
 }
 
 

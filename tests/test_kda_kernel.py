@@ -100,21 +100,19 @@ def test_unbounded_gate_falls_back_to_reference():
     assert rel_err(o, ro) < 1e-4 and rel_err(s, rs) < 1e-4
 
 
-@pytest.mark.parametrize("rows", [1, 2])  # one block per program; a loop over two (batch, head) rows
-def test_decode_step_matches(rows):
+def test_decode_step_matches():
     q, k, v, g, beta, h0 = inputs(3, T=1, V=32)
-    o, s = jax.jit(lambda *a: step_kda(*a, blocks=KDABlocks(decode_block_v=16, decode_rows=rows)))(
+    o, s = jax.jit(lambda *a: step_kda(*a, blocks=KDABlocks(decode_block_v=16)))(
         q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], h0)
     ro, rs = ref.step_kda(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], h0)
     assert rel_err(o, ro) < 1e-5 and rel_err(s, rs) < 1e-5
 
 
-@pytest.mark.parametrize("rows", [1, 2])
-def test_fused_decode_step_matches(rows):
+def test_fused_decode_step_matches():
     """Raw inputs for one token: the kernel's gate, norms and sigmoid against the reference's."""
     q, k, v, z, a_log, dt_bias, beta_logits, h0 = raw_inputs(4, T=1, V=32)
     q, k, v, z, beta_logits = (a[:, 0] for a in (q, k, v, z, beta_logits))
-    blocks = KDABlocks(decode_block_v=16, decode_rows=rows)
+    blocks = KDABlocks(decode_block_v=16)
     o, s = jax.jit(lambda *a: step_kda_fused(*a, lower_bound=-5.0, blocks=blocks))(
         q, k, v, z, a_log, dt_bias, beta_logits, h0)
     rq, rk, g, beta = reference.fused_inputs(q, k, z, a_log, dt_bias, beta_logits, -5.0)

@@ -43,10 +43,8 @@ class KDABlocks:
     block_v:        value columns of the state per program of the state walk (divides V)
     inter_dtype:    dtype of W, U, A_qk, decayed q/k between the kernels and of the walk's matmul
                     operands ("bfloat16" or "float32"); the state itself stays float32
-    warps_intra, warps_walk, stages_walk, warps_decode, stages_decode: Triton launch parameters (ignored off GPU)
+    warps_intra, warps_walk, stages_walk, warps_decode: Triton launch parameters (ignored off GPU)
     decode_block_v: value columns of the state per program of the decode step
-    decode_rows:    (batch, head) rows per decode program: 1 = one block per program; more = a loop
-                    over rows whose loads Triton may prefetch (``stages_decode`` deep)
     lowering:       "auto", "triton", "mosaic_gpu" or "mosaic_tpu" (``_compat``); chunk and block
                     sizes above are the Triton kernels'; the Mosaic ones use their modules' own
     """
@@ -59,8 +57,6 @@ class KDABlocks:
     stages_walk: int = 2
     decode_block_v: int = 64
     warps_decode: int = 4
-    decode_rows: int = 1
-    stages_decode: int = 1
     lowering: str = "auto"
 
     def __post_init__(self):
@@ -309,27 +305,6 @@ def _decode_kernel(*refs, fused, **kw):
                                                 s_ref[...], gate, **kw)
 
 
-def _decode_rows_kernel(*refs, fused, rows, bv, heads, **kw):
-    """Whole-array refs over flattened (batch, head) rows; the program walks ``rows`` of them in a
-    loop (whose loads Triton can prefetch) for one value block."""
-    if fused:
-        q_ref, k_ref, v_ref, g_ref, beta_ref, a_ref, dtb_ref, s_ref, o_ref, s_out_ref = refs
-    else:
-        q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, s_out_ref = refs
-    first, cols = pl.program_id(0) * rows, pl.ds(pl.multiple_of(pl.program_id(1) * bv, bv), bv)
-
-    def step(i, carry):
-        row = first + i
-        gate = (a_ref[row % heads, :], dtb_ref[row % heads, :]) if fused else None
-        o, state = _decode_update(q_ref[row, :], k_ref[row, :], v_ref[row, cols], g_ref[row, :], beta_ref[row, :],
-                                  s_ref[row, :, cols], gate, **kw)
-        o_ref[row, cols] = o
-        s_out_ref[row, :, cols] = state
-        return carry
-
-    jax.lax.fori_loop(0, rows, step, 0)
-
-
 def decode_step(q, k, v, g, beta, state, gate_params=None, *, scale, blocks, lower_bound=0.0):
     """One token per sequence: q, k, g [B, H, K]; v [B, H, V]; beta [B, H]; state [B, H, K, V] f32.
     gate_params None, or (exp(A_log) [H, K], dt_bias [H, K]) float32 for the fused gate (then g holds
@@ -342,29 +317,18 @@ def decode_step(q, k, v, g, beta, state, gate_params=None, *, scale, blocks, low
     bv = min(blocks.decode_block_v, V)
     fused = gate_params is not None
     args = [q, k, v, g, beta[..., None]] + (list(gate_params) if fused else [])
-    out_shape = [jax.ShapeDtypeStruct((B, H, V), _F32), jax.ShapeDtypeStruct((B, H, K, V), _F32)]
-    common = dict(input_output_aliases={len(args): 1}, interpret=interpret(), name="kda_decode_step",
-                  compiler_params=compiler_params(blocks.warps_decode, blocks.stages_decode))
-    kw = dict(fused=fused, scale=scale, lower_bound=lower_bound)
-    rows = blocks.decode_rows
-    if rows > 1:
-        if (B * H) % rows:
-            raise ValueError(f"decode_rows {rows} must divide B * H = {B * H}")
-        flat = lambda x: x.reshape(B * H, *x.shape[2:])
-        args = [flat(x) for x in args[:5]] + args[5:]
-        out_shape = [jax.ShapeDtypeStruct((B * H, *o.shape[2:]), _F32) for o in out_shape]
-        kernel = functools.partial(_decode_rows_kernel, rows=rows, bv=bv, heads=H, **kw)
-        o, new_state = pl.pallas_call(kernel, grid=(B * H // rows, V // bv), out_shape=out_shape, **common)(
-            *args, flat(state.astype(_F32)))
-        return o.reshape(B, H, V), new_state.reshape(B, H, K, V)
     vec = pl.BlockSpec((None, None, K), lambda b, h, j: (b, h, 0))
     v_spec = pl.BlockSpec((None, None, bv), lambda b, h, j: (b, h, j))
     s_spec = pl.BlockSpec((None, None, K, bv), lambda b, h, j: (b, h, 0, j))
     in_specs = [vec, vec, v_spec, vec, pl.BlockSpec((None, None, 1), lambda b, h, j: (b, h, 0))]
     in_specs += [pl.BlockSpec((None, K), lambda b, h, j: (h, 0))] * (2 if fused else 0)
+    kernel = functools.partial(_decode_kernel, fused=fused, scale=scale, lower_bound=lower_bound)
     return pl.pallas_call(
-        functools.partial(_decode_kernel, **kw), grid=(B, H, V // bv),
-        in_specs=in_specs + [s_spec], out_specs=[v_spec, s_spec], out_shape=out_shape, **common,
+        kernel, grid=(B, H, V // bv), in_specs=in_specs + [s_spec], out_specs=[v_spec, s_spec],
+        out_shape=[jax.ShapeDtypeStruct((B, H, V), _F32), jax.ShapeDtypeStruct((B, H, K, V), _F32)],
+        input_output_aliases={len(args): 1}, compiler_params=compiler_params(blocks.warps_decode, 1),
+        interpret=interpret(),
+        name="kda_decode_step",
     )(*args, state.astype(_F32))
 
 
