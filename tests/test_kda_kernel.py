@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 
 from k3jax.functional import kda as ref
+from kda_inputs import plain_inputs as inputs
+from kda_inputs import raw_inputs
 from pallas_kernels.kda import KDABlocks, chunk_kda, chunk_kda_fused, step_kda, step_kda_fused
 from pallas_kernels.kda import reference
 from pallas_kernels.kda.kernel import _unit_lower_inverse
@@ -22,19 +24,6 @@ TOL = 5e-3
 BLOCKS = KDABlocks(chunk=16, block_v=16)  # one 16-token tile per chunk: the cheapest to interpret
 _chunk = jax.jit(functools.partial(chunk_kda, blocks=BLOCKS))  # one compile per input signature
 _recurrent = jax.jit(ref.recurrent_kda)
-
-
-def inputs(seed, B=2, T=37, H=2, K=32, V=16, gate="random"):
-    ks = jax.random.split(jax.random.PRNGKey(seed), 6)
-    bf = jnp.bfloat16
-    q = ref.l2_normalize(jax.random.normal(ks[0], (B, T, H, K))).astype(bf)
-    k = ref.l2_normalize(jax.random.normal(ks[1], (B, T, H, K))).astype(bf)
-    v = jax.random.normal(ks[2], (B, T, H, V)).astype(bf)
-    u = jax.random.uniform(ks[3], (B, T, H, K))
-    g = {"random": -5.0 * u, "floor": -5.0 + 1e-3 * u, "near_zero": -1e-3 * u}[gate]
-    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, H)))
-    h0 = jax.random.normal(ks[5], (B, H, K, V))
-    return q, k, v, g, beta, h0
 
 
 @pytest.mark.parametrize("T,gate,with_state", [
@@ -66,20 +55,6 @@ def test_block_inverse_matches_exact(cosine):
     lower = jnp.tril(keys @ keys.T, -1)
     exact = np.linalg.inv(np.eye(16) + np.asarray(lower, np.float64))
     assert rel_err(_unit_lower_inverse(lower), exact) < 1e-6
-
-
-def raw_inputs(seed, B=2, T=37, H=2, K=32, V=16):
-    """The layer's inputs before the gates: un-normalized q, k, raw z and beta logits (bf16)."""
-    ks = jax.random.split(jax.random.PRNGKey(seed), 8)
-    bf = jnp.bfloat16
-    q, k = (jax.random.normal(kk, (B, T, H, K), bf) for kk in ks[:2])
-    v = jax.random.normal(ks[2], (B, T, H, V), bf)
-    z = jax.random.normal(ks[3], (B, T, H, K), bf)
-    a_log = jax.random.uniform(ks[4], (H,), minval=-1.0, maxval=1.0)
-    dt_bias = 0.5 * jax.random.normal(ks[5], (H, K))
-    beta_logits = jax.random.normal(ks[6], (B, T, H), bf)
-    h0 = jax.random.normal(ks[7], (B, H, K, V))
-    return q, k, v, z, a_log, dt_bias, beta_logits, h0
 
 
 def test_fused_inputs_match():

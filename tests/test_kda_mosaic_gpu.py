@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 from k3jax.functional import kda as ref
+from kda_inputs import plain_inputs
 from pallas_kernels.kda import mosaic_gpu, reference
 from reference_numpy import rel_err
 
@@ -36,15 +37,7 @@ def _forward(q, k, v, g, beta, gate_params, h0, lower_bound=0.0):
 
 
 def _plain_inputs(seed, T, gate):
-    ks = jax.random.split(jax.random.PRNGKey(seed), 6)
-    bf = jnp.bfloat16
-    q = ref.l2_normalize(jax.random.normal(ks[0], (B, T, H, K))).astype(bf)
-    k = ref.l2_normalize(jax.random.normal(ks[1], (B, T, H, K))).astype(bf)
-    v = jax.random.normal(ks[2], (B, T, H, V)).astype(bf)
-    u = jax.random.uniform(ks[3], (B, T, H, K))
-    g = {"random": LOWER * u, "floor": LOWER + 1e-3 * u, "near_zero": -1e-3 * u}[gate]
-    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, H)))
-    return q, k, v, g, beta, jax.random.normal(ks[5], (B, H, K, V))
+    return plain_inputs(seed, B=B, T=T, H=H, K=K, V=V, gate=gate)
 
 
 @pytest.mark.parametrize("T,gate,with_state", [(45, "random", True), (50, "floor", False), (37, "near_zero", True)])
