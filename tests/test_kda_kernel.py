@@ -17,6 +17,7 @@ from kda_inputs import plain_inputs as inputs
 from kda_inputs import raw_inputs
 from pallas_kernels.kda import KDABlocks, chunk_kda, chunk_kda_fused, step_kda, step_kda_fused
 from pallas_kernels.kda import reference
+from pallas_kernels.kda._compat import resolve_lowering
 from pallas_kernels.kda.kernel import _unit_lower_inverse
 from reference_numpy import rel_err
 
@@ -125,3 +126,17 @@ def test_public_entry_points_run_each_lowering(lowering):
     assert rel_err(o1, ro[:, :37]) < TOL and rel_err(o2, ro[:, 37]) < TOL and rel_err(s2, rs) < TOL
     with pytest.raises(ValueError, match="lowering"):
         KDABlocks(lowering="cuda")
+
+
+@pytest.mark.parametrize("backend,version,dims,expected", [
+    ("tpu", "0.10.2", (128, 128), "mosaic_tpu"),
+    ("gpu", "0.11.2", (128, 128), "mosaic_gpu"),
+    ("gpu", "0.11.2", (32, 128), "triton"),  # the Mosaic GPU walk needs K and V in multiples of 64
+    ("gpu", "0.10.2", (128, 128), "triton"),
+    ("cpu", "0.11.2", (128, 128), "triton"),  # interpret mode runs the Triton bodies
+])
+def test_auto_lowering_by_backend_and_version(monkeypatch, backend, version, dims, expected):
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    monkeypatch.setattr(jax, "__version__", version)
+    assert resolve_lowering("auto", *dims) == expected
+    assert resolve_lowering("mosaic_tpu", *dims) == "mosaic_tpu"

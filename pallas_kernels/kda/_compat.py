@@ -7,7 +7,7 @@ Three lowerings (``KDABlocks.lowering``; "auto" picks by backend and JAX version
   are given unless the ``jax_pallas_use_mosaic_gpu`` flag is set; JAX 0.11 defaults to Mosaic GPU,
   and Triton is chosen by passing its ``CompilerParams``, which both versions accept.
 - "mosaic_gpu": ``mosaic_gpu.py``'s state walk (Hopper wgmma, TMA) after the Triton intra kernel;
-  the decode step stays Triton. "auto" on a GPU under JAX >= 0.11 with V a multiple of its block.
+  the decode step stays Triton. "auto" on a GPU under JAX >= 0.11 when K and V are multiples of 64.
 - "mosaic_tpu": ``tpu.py``'s kernels ("auto" on a TPU).
 
 On a CPU every lowering runs in its interpret mode ("auto": the Triton bodies).
@@ -28,7 +28,7 @@ def check_lowering(name: str) -> None:
         raise ValueError(f"lowering {name!r}; expected one of {LOWERINGS}")
 
 
-def resolve_lowering(name: str, value_dim: int) -> str:
+def resolve_lowering(name: str, key_dim: int, value_dim: int) -> str:
     """The lowering "auto" stands for here (see the module docstring); others are returned as given."""
     check_lowering(name)
     if name != "auto":
@@ -39,7 +39,8 @@ def resolve_lowering(name: str, value_dim: int) -> str:
     from pallas_kernels.kda import mosaic_gpu
 
     newer = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 11)
-    if backend == "gpu" and newer and value_dim % mosaic_gpu.BLOCK_V == 0:
+    fits = key_dim % mosaic_gpu.WGMMA_ROWS == 0 and value_dim % mosaic_gpu.BLOCK_V == 0
+    if backend == "gpu" and newer and fits:
         return "mosaic_gpu"
     return "triton"
 

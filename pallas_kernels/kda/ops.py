@@ -45,7 +45,7 @@ def _forward(q, k, v, g, beta, gate_params, initial_state, scale, lower_bound, b
     B, T, H, K = q.shape
     scale = K**-0.5 if scale is None else scale
     kw = dict(seq_len=T, scale=scale, lower_bound=lower_bound)
-    lowering = resolve_lowering(blocks.lowering, v.shape[-1])
+    lowering = resolve_lowering(blocks.lowering, K, v.shape[-1])
     if lowering == "mosaic_tpu":
         padded = _pad_tokens([q, k, v, g, beta], tpu.DEFAULT_CHUNK)
         o, state = tpu.forward(*padded, gate_params, initial_state, chunk=tpu.DEFAULT_CHUNK,
@@ -71,7 +71,7 @@ def _tpu_interpret():
 
 
 def _decode(q, k, v, g, beta, state, gate_params, *, scale, blocks, lower_bound=0.0):
-    if resolve_lowering(blocks.lowering, v.shape[-1]) == "mosaic_tpu":
+    if resolve_lowering(blocks.lowering, q.shape[-1], v.shape[-1]) == "mosaic_tpu":
         return tpu.decode_step(q, k, v, g, beta, state, gate_params, scale=scale, lower_bound=lower_bound,
                                interpret=_tpu_interpret())
     return decode_step(q, k, v, g, beta, state, gate_params, scale=scale, blocks=blocks, lower_bound=lower_bound)
