@@ -1,6 +1,6 @@
 """The Mosaic GPU KDA forward (pallas_kernels/kda/mosaic_gpu.py) against the Triton path on the H200.
 
-    python3 benchmarks/kda_mosaic_gpu.py [--budget-s 200]
+    python3 benchmarks/kda_mosaic_gpu.py [--budget-s 200] [--intra triton|mosaic]
 
 First a check against the float32 reference (B=2, T=300, H=4, K=V=128; plain inputs with an initial
 state, and fused inputs). Then, at H=96, K=V=128, bf16 inputs, for B1 T8192, B1 T32768, B8 T4096:
@@ -9,6 +9,11 @@ and the two state walks alone on the same intra-kernel outputs (Triton ``kernel.
 chunk 32, 64 state columns per program; Mosaic GPU ``state_walk``, 64 too). Times by
 ``benchmarks.kda.time_jax``. Once --budget-s has passed no new measurement starts; the table is
 printed last.
+
+--intra picks the Mosaic GPU forward's intra kernel: "triton" (default, ``mosaic_gpu.forward``:
+``kernel.intra_chunk``) or "mosaic" (``mosaic_gpu_intra.intra_chunk``, a whole Mosaic GPU forward).
+With "mosaic" the check also compares the six intra outputs with the Triton intra kernel's, and each
+shape adds the two intra kernels alone (same fused inputs).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import jax.numpy as jnp
 
 from benchmarks.kda import H, K, LOWER, SHAPES, V, fused_args, fused_inputs, plain_inputs, rel_err, time_jax
 from k3jax.functional import kda as ref
-from pallas_kernels.kda import KDABlocks, chunk_kda_fused, mosaic_gpu
+from pallas_kernels.kda import KDABlocks, chunk_kda_fused, mosaic_gpu, mosaic_gpu_intra
 from pallas_kernels.kda import reference as kda_reference
 from pallas_kernels.kda.kernel import intra_chunk, state_walk
 
@@ -33,33 +38,62 @@ def _pad(arrays, chunk):
     return [jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2)) for a in arrays]
 
 
-@functools.partial(jax.jit, static_argnums=7)
-def mosaic_fused(q, k, v, z, a_log, dt_bias, beta_logits, lower_bound, h0):
-    """``chunk_kda_fused``'s contract through ``mosaic_gpu.forward``."""
-    T, heads = q.shape[1], q.shape[2]
-    gate_params = (jnp.broadcast_to(jnp.exp(a_log)[:, None], (heads, K)), dt_bias)
-    o, s = mosaic_gpu.forward(*_pad([q, k, v, z, beta_logits], mosaic_gpu.CHUNK), gate_params, h0, seq_len=T,
-                              scale=K**-0.5, lower_bound=lower_bound, interpret=False)
-    return o[:, :T], s
+def all_mosaic_forward(q, k, v, g, beta, gate_params, h0, *, seq_len, scale, lower_bound, interpret):
+    """``mosaic_gpu.forward``'s contract with both kernels in Mosaic GPU."""
+    inter = mosaic_gpu_intra.intra_chunk(q, k, v, g, beta, gate_params, seq_len=seq_len, scale=scale,
+                                         lower_bound=lower_bound, interpret=interpret)
+    return mosaic_gpu.state_walk(*inter, h0, interpret=interpret)
 
 
-@jax.jit
-def mosaic_plain(q, k, v, g, beta, h0):
+FORWARDS = {"triton": mosaic_gpu.forward, "mosaic": all_mosaic_forward}
+
+
+def _gate_params(a_log, dt_bias):
+    return jnp.broadcast_to(jnp.exp(a_log)[:, None], dt_bias.shape), dt_bias
+
+
+@functools.partial(jax.jit, static_argnums=7, static_argnames="intra")
+def mosaic_fused(q, k, v, z, a_log, dt_bias, beta_logits, lower_bound, h0, *, intra="triton"):
+    """``chunk_kda_fused``'s contract through the Mosaic GPU forward (``intra``: its intra kernel)."""
     T = q.shape[1]
-    o, s = mosaic_gpu.forward(*_pad([q, k, v, g, beta], mosaic_gpu.CHUNK), None, h0, seq_len=T,
-                              scale=K**-0.5, lower_bound=0.0, interpret=False)
+    o, s = FORWARDS[intra](*_pad([q, k, v, z, beta_logits], mosaic_gpu.CHUNK), _gate_params(a_log, dt_bias),
+                           h0, seq_len=T, scale=K**-0.5, lower_bound=lower_bound, interpret=False)
     return o[:, :T], s
 
 
-def check():
+@functools.partial(jax.jit, static_argnames="intra")
+def mosaic_plain(q, k, v, g, beta, h0, *, intra="triton"):
+    T = q.shape[1]
+    o, s = FORWARDS[intra](*_pad([q, k, v, g, beta], mosaic_gpu.CHUNK), None, h0, seq_len=T,
+                           scale=K**-0.5, lower_bound=0.0, interpret=False)
+    return o[:, :T], s
+
+
+@functools.partial(jax.jit, static_argnames="intra")
+def intra_fused(q, k, v, z, a_log, dt_bias, beta_logits, *, intra):
+    """The intra kernel alone at chunk 32 on fused inputs (T a multiple of 32): "triton" or "mosaic"."""
+    kw = dict(seq_len=q.shape[1], scale=K**-0.5, lower_bound=LOWER)
+    args = (q, k, v, z, beta_logits, _gate_params(a_log, dt_bias))
+    if intra == "mosaic":
+        return mosaic_gpu_intra.intra_chunk(*args, interpret=False, **kw)
+    return intra_chunk(*args, blocks=KDABlocks(chunk=mosaic_gpu.CHUNK), **kw)
+
+
+def check(intra):
     x = fused_inputs(jax.random.PRNGKey(1), 2, 300, heads=4)
     q, k, v, g, beta = plain_inputs(x)
-    o, s = mosaic_plain(q, k, v, g, beta, x["h0"])
+    o, s = mosaic_plain(q, k, v, g, beta, x["h0"], intra=intra)
     ro, rs = jax.jit(ref.chunk_kda)(q, k, v, g, beta, x["h0"])
-    fo, fs = mosaic_fused(*fused_args(x), x["h0"])
+    fo, fs = mosaic_fused(*fused_args(x), x["h0"], intra=intra)
     rfo, rfs = jax.jit(kda_reference.chunk_kda_fused, static_argnums=7)(*fused_args(x), x["h0"])
     errs = dict(o=rel_err(o, ro), state=rel_err(s, rs), fused_o=rel_err(fo, rfo), fused_state=rel_err(fs, rfs))
-    print("check B2 T300 H4: " + ", ".join(f"{n} {e:.2e}" for n, e in errs.items()), flush=True)
+    if intra == "mosaic":
+        x = fused_inputs(jax.random.PRNGKey(1), 2, 320, heads=4)
+        args = fused_args(x)[:7]
+        pairs = zip(("w", "u", "qg", "kg", "aqk", "gend"), intra_fused(*args, intra="mosaic"),
+                    intra_fused(*args, intra="triton"))
+        errs.update({f"intra_{name}": rel_err(a, b) for name, a, b in pairs})
+    print(f"check B2 T300 H4 (intra {intra}): " + ", ".join(f"{n} {e:.2e}" for n, e in errs.items()), flush=True)
     return max(errs.values())
 
 
@@ -74,12 +108,14 @@ def walk_inputs(x, T):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--budget-s", type=float, default=200.0)
+    parser.add_argument("--intra", choices=sorted(FORWARDS), default="triton",
+                        help="intra kernel of the Mosaic GPU forward")
     args = parser.parse_args()
     start = time.perf_counter()
     print(f"{jax.devices()[0].device_kind} jax {jax.__version__}", flush=True)
     rows = []
     try:
-        if check() >= 5e-3:
+        if check(args.intra) >= 5e-3:
             print("error too large: not timed")
             return
         for B, T in SHAPES:
@@ -91,14 +127,22 @@ def main():
             triton = jax.jit(chunk_kda_fused, static_argnums=7)
             base = time_jax(triton, *fused_args(x), h0)
             rows.append((B, T, "triton chunk_kda_fused", base, base))
-            rows.append((B, T, "mosaic forward (fused)", time_jax(mosaic_fused, *fused_args(x), h0), base))
+            forward = functools.partial(mosaic_fused, intra=args.intra)
+            rows.append((B, T, f"mosaic forward (fused, intra {args.intra})", time_jax(forward, *fused_args(x), h0),
+                         base))
+            if args.intra == "mosaic":
+                intra_args = fused_args(x)[:7]
+                intra_base = time_jax(functools.partial(intra_fused, intra="triton"), *intra_args)
+                rows.append((B, T, "intra: triton c32", intra_base, intra_base))
+                rows.append((B, T, "intra: mosaic", time_jax(functools.partial(intra_fused, intra="mosaic"),
+                                                               *intra_args), intra_base))
             w, u, qg, kg, aqk, gend = walk_inputs(x, T)
             triton_walk = jax.jit(lambda *a: state_walk(*a, blocks=KDABlocks()))
             walk_base = time_jax(triton_walk, w, u, qg, kg, aqk, gend, h0)
             rows.append((B, T, "walk: triton c32 v64", walk_base, walk_base))
             walk = jax.jit(mosaic_gpu.state_walk)
             rows.append((B, T, "walk: mosaic v64", time_jax(walk, w, u, qg, kg, aqk, gend, h0), walk_base))
-            for row in rows[-4:]:
+            for row in rows[-(6 if args.intra == "mosaic" else 4):]:
                 print(row, flush=True)
             del x, w, u, qg, kg, aqk, gend
     except Exception:  # noqa: BLE001 - print what was measured
