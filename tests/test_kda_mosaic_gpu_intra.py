@@ -2,13 +2,13 @@
 
 1. Mosaic GPU's interpret mode: each of its six outputs against ``kernel.intra_chunk`` at chunk 32 in
    Pallas' (Triton) interpret mode on the same bf16-rounded inputs, and the whole Mosaic GPU forward
-   (this kernel, then ``mosaic_gpu.state_walk``) against the float32 reference; plain inputs with
-   random gates, gates at the floor -5 and near zero, and fused raw inputs; T not a multiple of 32,
-   padded as ``ops._pad_tokens`` does. K = V = 64, the smallest head the wgmma tiling takes.
-2. Lowering for CUDA without a GPU (``lowering_platforms=("cuda",)``) at K = V = 128, plain and fused:
-   Pallas' Mosaic GPU lowering of every primitive (register layouts, swizzles and tilings of the wgmma
-   operands and shared-memory tiles, TMA copy sizes, the shared-memory total) into the Mosaic GPU
-   custom call. ptxas and the GPU run are not covered.
+   (this kernel, then ``mosaic_gpu.state_walk``) against the float32 ``recurrent_kda``; plain inputs
+   with random gates, gates at the floor -5 and near zero, and fused raw inputs; T not a multiple of
+   32, padded as ``ops._pad_tokens`` does. K = V = 64, the smallest head the wgmma tiling takes.
+2. Lowering for CUDA without a GPU (``lowering_platforms=("cuda",)``) at K = V = 128 and 64, plain
+   and fused: Pallas' Mosaic GPU lowering of every primitive (register layouts, swizzles and tilings
+   of the wgmma operands and shared-memory tiles, TMA copy sizes, the shared-memory total) into the
+   Mosaic GPU custom call. ptxas and the GPU run are not covered.
 
 Errors are ||a - b|| / ||b||. One jit per configuration (both kernels and the walk in one).
 """
@@ -92,14 +92,16 @@ def test_fused_matches_triton_and_reference():
     gate_params = (jnp.broadcast_to(jnp.exp(a_log)[:, None], (H, K)), dt_bias)
     mine, triton, o, s = _run(q, k, v, z, beta_logits, gate_params, h0, lower_bound=LOWER)
     _check_intra(mine, triton)
-    ro, rs = reference.chunk_kda_fused(q, k, v, z, a_log, dt_bias, beta_logits, LOWER, h0)
+    rq, rk, rg, rbeta = reference.fused_inputs(q, k, z, a_log, dt_bias, beta_logits, LOWER)
+    ro, rs = ref.recurrent_kda(rq, rk, v, rg, rbeta, h0)
     assert rel_err(o, ro) < TOL and rel_err(s, rs) < TOL
 
 
+@pytest.mark.parametrize("head", [128, 64])
 @pytest.mark.parametrize("fused", [False, True])
-def test_lowers_for_cuda(fused):
-    """The kernel at K = V = 128 through Pallas' Mosaic GPU lowering for CUDA, on the CPU."""
-    b, t, h, k, v = 1, 64, 2, 128, 128
+def test_lowers_for_cuda(fused, head):
+    """The kernel at K = V = ``head`` through Pallas' Mosaic GPU lowering for CUDA, on the CPU."""
+    b, t, h, k, v = 1, 64, 2, head, head
     shape = lambda *s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype)
     raw = jnp.bfloat16 if fused else jnp.float32  # z and beta logits bf16; g and beta float32
     gate_params = (shape(h, k, dtype=jnp.float32),) * 2 if fused else None
