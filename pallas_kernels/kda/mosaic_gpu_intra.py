@@ -14,8 +14,9 @@ a whole Mosaic GPU forward. Grid (T / 32, H, B), one warpgroup per chunk; the ma
   midpoint of i's sub-tile), the off-diagonal reference (G at the last token of sub-tile 0) and G_C.
 - Gram blocks: (x exp(G - r)) (k exp(r - G))^T per reference as kernel.py, the diagonal blocks
   around the sub-tile midpoint, the (1, 0) block around the last token of sub-tile 0; operands split
-  into two bf16 pieces (hi hi + hi lo + lo hi: about 16 significant bits, more than the float32 of
-  the Triton kernel's default-precision products on a GPU, TF32), the keys' tile read transposed.
+  into two bf16 pieces (hi hi + hi lo + lo hi: about 16 significant bits, more than the 11 of TF32,
+  which the Triton kernel's default-precision float32 products use on a GPU), the keys' tile read
+  transposed.
 - (I + A_kk)^-1: the 16x16 diagonal blocks by the same block doubling as kernel.py (levels 2 to 16),
   then the (1, 0) block by substitution, X_10 = -X_11 (L_10 X_00); every product in float32 on the
   CUDA cores: a loop over the inner index adds column m of the left factor (a row reduction) times
@@ -29,8 +30,8 @@ products of the loaded tiles (JAX 0.10's interpreted wgmma takes no transposed o
 
 Layouts: q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; T a multiple of ``CHUNK``; ``seq_len``
 the unpadded length (tokens at or after it get g = 0, beta = 0). beta goes to the kernel as float32
-[B, H, T] (one XLA transpose) so that a chunk's betas are contiguous for TMA (TMA moves multiples of
-128 bytes here: 32 float32 values).
+[B, H, T] (one XLA transpose) so that a chunk's betas are contiguous for TMA (Pallas' Mosaic GPU
+copies move multiples of 128 bytes: 32 float32 values, where 32 bf16 logits would be 64 bytes).
 """
 
 from __future__ import annotations
