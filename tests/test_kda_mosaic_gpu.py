@@ -14,8 +14,9 @@ import jax.numpy as jnp
 import pytest
 
 from k3jax.functional import kda as ref
-from kda_inputs import plain_inputs
+from kda_inputs import plain_inputs, raw_inputs
 from pallas_kernels.kda import mosaic_gpu, reference
+from pallas_kernels.kda.ops import _gate_params
 from reference_numpy import rel_err
 
 TOL = 5e-3
@@ -52,16 +53,8 @@ def test_plain_matches_reference(T, gate, with_state):
 
 def test_fused_matches_reference():
     """Raw q, k, z and beta logits: the gate, the L2 norms and the sigmoid inside the intra kernel."""
-    T = 45
-    ks = jax.random.split(jax.random.PRNGKey(11), 8)
-    bf = jnp.bfloat16
-    q, k, z = (jax.random.normal(kk, (B, T, H, K), bf) for kk in ks[:3])
-    v = jax.random.normal(ks[3], (B, T, H, V), bf)
-    a_log = jax.random.uniform(ks[4], (H,), minval=-1.0, maxval=1.0)
-    dt_bias = 0.5 * jax.random.normal(ks[5], (H, K))
-    beta_logits = jax.random.normal(ks[6], (B, T, H), bf)
-    h0 = jax.random.normal(ks[7], (B, H, K, V))
-    gate_params = (jnp.broadcast_to(jnp.exp(a_log)[:, None], (H, K)), dt_bias)
+    q, k, v, z, a_log, dt_bias, beta_logits, h0 = raw_inputs(11, B=B, T=45, H=H, K=K, V=V)
+    gate_params = _gate_params(a_log, dt_bias, K)
     o, s = _forward(q, k, v, z, beta_logits, gate_params, h0, lower_bound=LOWER)
     ro, rs = reference.chunk_kda_fused(q, k, v, z, a_log, dt_bias, beta_logits, LOWER, h0)
     assert rel_err(o, ro) < TOL and rel_err(s, rs) < TOL

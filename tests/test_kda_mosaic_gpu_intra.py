@@ -22,8 +22,10 @@ import jax.numpy as jnp
 import pytest
 
 from k3jax.functional import kda as ref
+from kda_inputs import plain_inputs, raw_inputs
 from pallas_kernels.kda import mosaic_gpu, mosaic_gpu_intra, reference
 from pallas_kernels.kda.kernel import KDABlocks, intra_chunk
+from pallas_kernels.kda.ops import _gate_params
 from reference_numpy import rel_err
 
 TOL = 5e-3  # the whole forward against the float32 reference
@@ -58,21 +60,9 @@ def _check_intra(mine, triton):
         assert rel_err(a, b) < (TOL_F32 if name == "gend" else TOL_BF16), (name, rel_err(a, b))
 
 
-def _plain_inputs(seed, gate):
-    ks = jax.random.split(jax.random.PRNGKey(seed), 6)
-    bf = jnp.bfloat16
-    q = ref.l2_normalize(jax.random.normal(ks[0], (B, T, H, K))).astype(bf)
-    k = ref.l2_normalize(jax.random.normal(ks[1], (B, T, H, K))).astype(bf)
-    v = jax.random.normal(ks[2], (B, T, H, V)).astype(bf)
-    u = jax.random.uniform(ks[3], (B, T, H, K))
-    g = {"random": LOWER * u, "floor": LOWER + 1e-3 * u, "near_zero": -1e-3 * u}[gate]
-    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, H)))
-    return q, k, v, g, beta, jax.random.normal(ks[5], (B, H, K, V))
-
-
 @pytest.mark.parametrize("gate", ["random", "floor", "near_zero"])
 def test_plain_matches_triton_and_reference(gate):
-    q, k, v, g, beta, h0 = _plain_inputs(3, gate)
+    q, k, v, g, beta, h0 = plain_inputs(3, B=B, T=T, H=H, K=K, V=V, gate=gate)
     mine, triton, o, s = _run(q, k, v, g, beta, None, h0)
     _check_intra(mine, triton)
     ro, rs = ref.recurrent_kda(q, k, v, g, beta, h0)
@@ -81,15 +71,8 @@ def test_plain_matches_triton_and_reference(gate):
 
 def test_fused_matches_triton_and_reference():
     """Raw q, k, z and beta logits: the gate, the L2 norms and the sigmoid inside the kernel."""
-    ks = jax.random.split(jax.random.PRNGKey(11), 8)
-    bf = jnp.bfloat16
-    q, k, z = (jax.random.normal(kk, (B, T, H, K), bf) for kk in ks[:3])
-    v = jax.random.normal(ks[3], (B, T, H, V), bf)
-    a_log = jax.random.uniform(ks[4], (H,), minval=-1.0, maxval=1.0)
-    dt_bias = 0.5 * jax.random.normal(ks[5], (H, K))
-    beta_logits = jax.random.normal(ks[6], (B, T, H), bf)
-    h0 = jax.random.normal(ks[7], (B, H, K, V))
-    gate_params = (jnp.broadcast_to(jnp.exp(a_log)[:, None], (H, K)), dt_bias)
+    q, k, v, z, a_log, dt_bias, beta_logits, h0 = raw_inputs(11, B=B, T=T, H=H, K=K, V=V)
+    gate_params = _gate_params(a_log, dt_bias, K)
     mine, triton, o, s = _run(q, k, v, z, beta_logits, gate_params, h0, lower_bound=LOWER)
     _check_intra(mine, triton)
     rq, rk, rg, rbeta = reference.fused_inputs(q, k, z, a_log, dt_bias, beta_logits, LOWER)
