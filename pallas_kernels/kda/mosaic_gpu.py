@@ -66,14 +66,24 @@ def _load(ref, layout, interpret):
     return value if interpret else plgpu.layout_cast(value, layout)
 
 
-def _keys_t_times(kg_ref, v_ref, product, interpret):
+def wgmma_sum(shape, pairs):
+    """sum(lhs @ rhs) over (lhs, rhs) shared-memory pairs, wgmma with a float32 accumulator."""
+    def body(acc):
+        for lhs, rhs in pairs:
+            plgpu.wgmma(acc, lhs, rhs)
+        return acc[...]
+
+    return pl.run_scoped(body, plgpu.ACC(shape, _F32))
+
+
+def _keys_t_times(kg_ref, v_ref, interpret):
     """kg_ref^T @ v_ref in float32 for a [C, K] keys tile: wgmma with the tile transposed in shared
     memory; in interpret mode (whose wgmma takes no transposed operand) the product of the loaded
     values."""
     if interpret:
         return jnp.dot(kg_ref[...].T, v_ref[...], preferred_element_type=_F32)
     K = kg_ref.shape[1]
-    return product((K, v_ref.shape[1]), [(plgpu.transpose_ref(kg_ref, (1, 0)), v_ref)])
+    return wgmma_sum((K, v_ref.shape[1]), [(plgpu.transpose_ref(kg_ref, (1, 0)), v_ref)])
 
 
 def _walk_kernel(w_g, u_g, qg_g, kg_g, aqk_g, gend_g, h0_g, o_g, ht_g,
@@ -99,14 +109,6 @@ def _walk_kernel(w_g, u_g, qg_g, kg_g, aqk_g, gend_g, h0_g, o_g, ht_g,
     plgpu.barrier_wait(bars.at[_N_LOADS * 2])
     state = _load(f32_s, plgpu.Layout.WGMMA, interpret)
 
-    def product(acc_shape, pairs):
-        def body(acc):
-            for lhs, rhs in pairs:
-                plgpu.wgmma(acc, lhs, rhs)
-            return acc[...]
-
-        return pl.run_scoped(body, plgpu.ACC(acc_shape, _F32))
-
     def step(c, state):
         slot = jax.lax.rem(c, 2)
 
@@ -118,18 +120,18 @@ def _walk_kernel(w_g, u_g, qg_g, kg_g, aqk_g, gend_g, h0_g, o_g, ht_g,
             plgpu.barrier_wait(bars.at[i * 2 + slot])
         state_s[...] = state.astype(_BF16)
         plgpu.commit_smem()
-        w_s_state = product((WGMMA_ROWS, bv), [(w_s.at[slot], state_s)])
+        w_s_state = wgmma_sum((WGMMA_ROWS, bv), [(w_s.at[slot], state_s)])
         v_new = u_s[slot].astype(_F32) - w_s_state
         vnew_s[...] = v_new.astype(_BF16)
         plgpu.commit_smem()
-        o = product((WGMMA_ROWS, bv), [(qg_s.at[slot], state_s), (aqk_s.at[slot], vnew_s.at[top])])
+        o = wgmma_sum((WGMMA_ROWS, bv), [(qg_s.at[slot], state_s), (aqk_s.at[slot], vnew_s.at[top])])
         plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the copy out of this slot two chunks ago
         o_s[slot] = o
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_s.at[slot, top], o_g.at[b, pl.ds(c * CHUNK, CHUNK), h, cols])
         decay = _load(gend_s.at[slot], plgpu.Layout.WGMMA.reduce(1), interpret)  # [K], one per state row
         decayed = state * jax.lax.broadcast_in_dim(decay, (K, bv), [0])
-        return decayed + _keys_t_times(kg_s.at[slot], vnew_s.at[top], product, interpret)
+        return decayed + _keys_t_times(kg_s.at[slot], vnew_s.at[top], interpret)
 
     state = jax.lax.fori_loop(0, n_chunks, step, state)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -192,4 +194,4 @@ def forward(q, k, v, g, beta, gate_params, initial_state, *, seq_len, scale, low
     return state_walk(w, u, qg, kg, aqk, gend, initial_state, interpret=interpret)
 
 
-__all__ = ["CHUNK", "BLOCK_V", "forward", "interpret_params", "state_walk"]
+__all__ = ["CHUNK", "BLOCK_V", "forward", "interpret_params", "state_walk", "wgmma_sum"]

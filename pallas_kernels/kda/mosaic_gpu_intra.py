@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.kda.mosaic_gpu import CHUNK, WGMMA_ROWS
+from pallas_kernels.kda.mosaic_gpu import CHUNK, WGMMA_ROWS, wgmma_sum
 
 SUB = 16  # tokens per sub-tile
 _F32, _BF16 = jnp.float32, jnp.bfloat16
@@ -96,22 +96,12 @@ def _store_pieces(refs, x):
         rest = rest - piece.astype(_F32)
 
 
-def _product(shape, pairs):
-    """sum(lhs @ rhs) over (lhs, rhs) shared-memory pairs, wgmma with a float32 accumulator."""
-    def body(acc):
-        for lhs, rhs in pairs:
-            plgpu.wgmma(acc, lhs, rhs)
-        return acc[...]
-
-    return pl.run_scoped(body, plgpu.ACC(shape, _F32))
-
-
 def _product_t(shape, pairs, interpret):
     """sum(lhs @ rhs^T): wgmma with rhs transposed in shared memory; in interpret mode (whose wgmma
     takes no transposed operand) the products of the loaded tiles."""
     if interpret:
         return sum(jnp.dot(lhs[...], rhs[...].T, preferred_element_type=_F32) for lhs, rhs in pairs)
-    return _product(shape, [(lhs, plgpu.transpose_ref(rhs, (1, 0))) for lhs, rhs in pairs])
+    return wgmma_sum(shape, [(lhs, plgpu.transpose_ref(rhs, (1, 0))) for lhs, rhs in pairs])
 
 
 def _matmul_f32(a, b, b_s, cols, interpret):
@@ -187,7 +177,7 @@ def _intra_kernel(*refs, seq_len, scale, lower_bound, fused, interpret):
         """[64, K]: row i sums g over tokens m <= last (last [64, 32] or scalar)."""
         sel_s[...] = jnp.where(cols <= last, 1.0, 0.0).astype(_BF16)
         plgpu.commit_smem()
-        return _product((WGMMA_ROWS, K), [(sel_s, pool_s.at[i, top]) for i in range(3)])
+        return wgmma_sum((WGMMA_ROWS, K), [(sel_s, pool_s.at[i, top]) for i in range(3)])
 
     G = cumulative(token)
     ref_diag = cumulative(jnp.where(token >= SUB, SUB + SUB // 2 - 1, SUB // 2 - 1))
@@ -231,9 +221,9 @@ def _intra_kernel(*refs, seq_len, scale, lower_bound, fused, interpret):
     _store_pieces([pool_s.at[0], pool_s.at[1]], x * jnp.exp(G))
     plgpu.commit_smem()
     hi, lo = lhs_s.at[0], lhs_s.at[1]
-    w_s[...] = _product((WGMMA_ROWS, K), [(hi, pool_s.at[0, top]), (hi, pool_s.at[1, top]),
+    w_s[...] = wgmma_sum((WGMMA_ROWS, K), [(hi, pool_s.at[0, top]), (hi, pool_s.at[1, top]),
                                           (lo, pool_s.at[0, top])]).astype(_BF16)
-    u_s[...] = _product((WGMMA_ROWS, V), [(hi, v_s.at[top]), (lo, v_s.at[top])]).astype(_BF16)
+    u_s[...] = wgmma_sum((WGMMA_ROWS, V), [(hi, v_s.at[top]), (lo, v_s.at[top])]).astype(_BF16)
     plgpu.commit_smem()
 
     for src, dst in [(w_s.at[top], w_g.at[b, tokens, h]), (u_s.at[top], u_g.at[b, tokens, h]),
