@@ -38,14 +38,19 @@ def _pad(arrays, chunk):
     return [jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2)) for a in arrays]
 
 
-def all_mosaic_forward(q, k, v, g, beta, gate_params, h0, *, seq_len, scale, lower_bound, interpret):
+def all_mosaic_forward(q, k, v, g, beta, gate_params, h0, *, seq_len, scale, lower_bound, interpret,
+                       inverse):
     """``mosaic_gpu.forward``'s contract with both kernels in Mosaic GPU."""
     inter = mosaic_gpu_intra.intra_chunk(q, k, v, g, beta, gate_params, seq_len=seq_len, scale=scale,
-                                         lower_bound=lower_bound, interpret=interpret)
+                                         lower_bound=lower_bound, interpret=interpret, inverse=inverse)
     return mosaic_gpu.state_walk(*inter, h0, interpret=interpret)
 
 
-FORWARDS = {"triton": mosaic_gpu.forward, "mosaic": all_mosaic_forward}
+def _forward(intra):
+    """The Mosaic GPU forward whose intra kernel is ``intra``: "triton" or "mosaic-<inverse>"."""
+    if intra == "triton":
+        return mosaic_gpu.forward
+    return functools.partial(all_mosaic_forward, inverse=intra.split("-")[1])
 
 
 def _gate_params(a_log, dt_bias):
@@ -56,7 +61,7 @@ def _gate_params(a_log, dt_bias):
 def mosaic_fused(q, k, v, z, a_log, dt_bias, beta_logits, lower_bound, h0, *, intra="triton"):
     """``chunk_kda_fused``'s contract through the Mosaic GPU forward (``intra``: its intra kernel)."""
     T = q.shape[1]
-    o, s = FORWARDS[intra](*_pad([q, k, v, z, beta_logits], mosaic_gpu.CHUNK), _gate_params(a_log, dt_bias),
+    o, s = _forward(intra)(*_pad([q, k, v, z, beta_logits], mosaic_gpu.CHUNK), _gate_params(a_log, dt_bias),
                            h0, seq_len=T, scale=K**-0.5, lower_bound=lower_bound, interpret=False)
     return o[:, :T], s
 
@@ -64,22 +69,25 @@ def mosaic_fused(q, k, v, z, a_log, dt_bias, beta_logits, lower_bound, h0, *, in
 @functools.partial(jax.jit, static_argnames="intra")
 def mosaic_plain(q, k, v, g, beta, h0, *, intra="triton"):
     T = q.shape[1]
-    o, s = FORWARDS[intra](*_pad([q, k, v, g, beta], mosaic_gpu.CHUNK), None, h0, seq_len=T,
+    o, s = _forward(intra)(*_pad([q, k, v, g, beta], mosaic_gpu.CHUNK), None, h0, seq_len=T,
                            scale=K**-0.5, lower_bound=0.0, interpret=False)
     return o[:, :T], s
 
 
 @functools.partial(jax.jit, static_argnames="intra")
 def intra_fused(q, k, v, z, a_log, dt_bias, beta_logits, *, intra):
-    """The intra kernel alone at chunk 32 on fused inputs (T a multiple of 32): "triton" or "mosaic"."""
+    """The intra kernel alone at chunk 32 on fused inputs (T a multiple of 32): "triton" or
+    "mosaic-<inverse>"."""
     kw = dict(seq_len=q.shape[1], scale=K**-0.5, lower_bound=LOWER)
     args = (q, k, v, z, beta_logits, _gate_params(a_log, dt_bias))
-    if intra == "mosaic":
-        return mosaic_gpu_intra.intra_chunk(*args, interpret=False, **kw)
-    return intra_chunk(*args, blocks=KDABlocks(chunk=mosaic_gpu.CHUNK), **kw)
+    if intra == "triton":
+        return intra_chunk(*args, blocks=KDABlocks(chunk=mosaic_gpu.CHUNK), **kw)
+    return mosaic_gpu_intra.intra_chunk(*args, interpret=False, inverse=intra.split("-")[1], **kw)
 
 
 def check(intra):
+    """Largest error of the forward with intra kernel ``intra`` against the float32 reference, and of
+    a Mosaic GPU intra kernel's outputs against the Triton intra kernel's."""
     x = fused_inputs(jax.random.PRNGKey(1), 2, 300, heads=4)
     q, k, v, g, beta = plain_inputs(x)
     o, s = mosaic_plain(q, k, v, g, beta, x["h0"], intra=intra)
@@ -87,10 +95,10 @@ def check(intra):
     fo, fs = mosaic_fused(*fused_args(x), x["h0"], intra=intra)
     rfo, rfs = jax.jit(kda_reference.chunk_kda_fused, static_argnums=7)(*fused_args(x), x["h0"])
     errs = dict(o=rel_err(o, ro), state=rel_err(s, rs), fused_o=rel_err(fo, rfo), fused_state=rel_err(fs, rfs))
-    if intra == "mosaic":
+    if intra != "triton":
         x = fused_inputs(jax.random.PRNGKey(1), 2, 320, heads=4)
         args = fused_args(x)[:7]
-        pairs = zip(("w", "u", "qg", "kg", "aqk", "gend"), intra_fused(*args, intra="mosaic"),
+        pairs = zip(("w", "u", "qg", "kg", "aqk", "gend"), intra_fused(*args, intra=intra),
                     intra_fused(*args, intra="triton"))
         errs.update({f"intra_{name}": rel_err(a, b) for name, a, b in pairs})
     listed = ", ".join(f"{n} {e:.2e}" for n, e in errs.items())
@@ -106,49 +114,59 @@ def walk_inputs(x, T):
     return jax.block_until_ready(inter)
 
 
+def time_shape(B, T, intras, rows):
+    """Rows (B, T, what, ms, baseline ms) for one shape: the public Triton path, the forward with each
+    intra kernel, the intra kernels alone (when a Mosaic GPU one is asked for) and the two walks."""
+    x = fused_inputs(jax.random.PRNGKey(2), B, T)
+    h0 = jnp.zeros((B, H, K, V), jnp.float32)
+    base = time_jax(jax.jit(chunk_kda_fused, static_argnums=7), *fused_args(x), h0)
+    new = [(B, T, "public chunk_kda_fused", base, base)]
+    for intra in intras:
+        forward = functools.partial(mosaic_fused, intra=intra)
+        new.append((B, T, f"mosaic walk forward, intra {intra}", time_jax(forward, *fused_args(x), h0), base))
+    if intras != ["triton"]:
+        intra_args = fused_args(x)[:7]
+        intra_base = time_jax(functools.partial(intra_fused, intra="triton"), *intra_args)
+        new.append((B, T, "intra alone: triton c32", intra_base, intra_base))
+        for intra in intras:
+            if intra != "triton":
+                ms = time_jax(functools.partial(intra_fused, intra=intra), *intra_args)
+                new.append((B, T, f"intra alone: {intra}", ms, intra_base))
+    w, u, qg, kg, aqk, gend = walk_inputs(x, T)
+    walk_base = time_jax(jax.jit(lambda *a: state_walk(*a, blocks=KDABlocks())), w, u, qg, kg, aqk, gend, h0)
+    new.append((B, T, "walk alone: triton c32 v64", walk_base, walk_base))
+    ms = time_jax(jax.jit(mosaic_gpu.state_walk), w, u, qg, kg, aqk, gend, h0)
+    new.append((B, T, "walk alone: mosaic v64", ms, walk_base))
+    for row in new:
+        print(row, flush=True)
+    rows.extend(new)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--budget-s", type=float, default=200.0)
-    parser.add_argument("--intra", choices=sorted(FORWARDS), default="triton",
-                        help="intra kernel of the Mosaic GPU forward")
+    parser.add_argument("--intra", default="triton",
+                        help="comma-separated intra kernels of the Mosaic GPU forward: triton, mosaic-fma, "
+                             "mosaic-wgmma")
     args = parser.parse_args()
+    intras = args.intra.split(",")
     start = time.perf_counter()
     print(f"{jax.devices()[0].device_kind} jax {jax.__version__}", flush=True)
-    rows = []
+    rows, failed = [], []
     try:
-        if check(args.intra) >= 5e-3:
-            print("error too large: not timed")
-            return
+        for intra in intras:
+            if check(intra) >= 5e-3:
+                failed.append(intra)
         for B, T in SHAPES:
             if time.perf_counter() - start > args.budget_s:
                 print("time budget spent: remaining shapes skipped")
                 break
-            x = fused_inputs(jax.random.PRNGKey(2), B, T)
-            h0 = jnp.zeros((B, H, K, V), jnp.float32)
-            triton = jax.jit(chunk_kda_fused, static_argnums=7)
-            base = time_jax(triton, *fused_args(x), h0)
-            rows.append((B, T, "triton chunk_kda_fused", base, base))
-            forward = functools.partial(mosaic_fused, intra=args.intra)
-            what = f"mosaic forward (fused, intra {args.intra})"
-            rows.append((B, T, what, time_jax(forward, *fused_args(x), h0), base))
-            if args.intra == "mosaic":
-                intra_args = fused_args(x)[:7]
-                intra_base = time_jax(functools.partial(intra_fused, intra="triton"), *intra_args)
-                rows.append((B, T, "intra: triton c32", intra_base, intra_base))
-                rows.append((B, T, "intra: mosaic", time_jax(functools.partial(intra_fused, intra="mosaic"),
-                                                               *intra_args), intra_base))
-            w, u, qg, kg, aqk, gend = walk_inputs(x, T)
-            triton_walk = jax.jit(lambda *a: state_walk(*a, blocks=KDABlocks()))
-            walk_base = time_jax(triton_walk, w, u, qg, kg, aqk, gend, h0)
-            rows.append((B, T, "walk: triton c32 v64", walk_base, walk_base))
-            walk = jax.jit(mosaic_gpu.state_walk)
-            rows.append((B, T, "walk: mosaic v64", time_jax(walk, w, u, qg, kg, aqk, gend, h0), walk_base))
-            for row in rows[-(6 if args.intra == "mosaic" else 4):]:
-                print(row, flush=True)
-            del x, w, u, qg, kg, aqk, gend
+            time_shape(B, T, intras, rows)
     except Exception:  # noqa: BLE001 - print what was measured
         print(traceback.format_exc()[-4000:], flush=True)
-    print("\n| B | T | what | ms | speed vs Triton (same part) |\n|---|---|---|---|---|")
+    if failed:
+        print(f"error >= 5e-3 (timed all the same): {', '.join(failed)}")
+    print("\n| B | T | what | ms | speed vs baseline (same part) |\n|---|---|---|---|---|")
     for B, T, what, ms, base in rows:
         print(f"| {B} | {T} | {what} | {ms:.3f} | {base / ms:.2f}x |")
 

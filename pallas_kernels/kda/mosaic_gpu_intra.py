@@ -107,7 +107,9 @@ def _product_t(shape, pairs, interpret):
 def _matmul_f32(a, b, b_s, cols, interpret):
     """a @ b in float32 for [64, 32] tiles holding 32x32 matrices in rows 0-31 (rows 32-63 zero):
     column m of a by a row reduction, row m of b from ``b_s`` (shared memory), one FMA per m."""
+    plgpu.commit_smem()  # the previous product's reads of b_s are done
     b_s[...] = b
+    plgpu.commit_smem()
     col_layout = plgpu.Layout.WGMMA.reduce(0)
 
     def step(m, acc):
@@ -119,7 +121,19 @@ def _matmul_f32(a, b, b_s, cols, interpret):
     return jax.lax.fori_loop(0, CHUNK, step, zeros)
 
 
-def _intra_kernel(*refs, seq_len, scale, lower_bound, fused, interpret):
+def _matmul_pieces(a, b, a_s, b_s, interpret):
+    """a @ b for [64, 32] tiles holding 32x32 matrices in rows 0-31 (rows 32-63 zero) by wgmma: two
+    bf16 pieces of each factor in ``a_s`` and ``b_s`` ([2, 64, 32]), hi hi + hi lo + lo hi."""
+    del interpret
+    _store_pieces([a_s.at[0], a_s.at[1]], a)
+    _store_pieces([b_s.at[0], b_s.at[1]], b)
+    plgpu.commit_smem()
+    top = pl.ds(0, CHUNK)
+    return wgmma_sum((WGMMA_ROWS, CHUNK), [(a_s.at[0], b_s.at[0, top]), (a_s.at[0], b_s.at[1, top]),
+                                           (a_s.at[1], b_s.at[0, top])])
+
+
+def _intra_kernel(*refs, seq_len, scale, lower_bound, fused, inverse, interpret):
     """One (chunk, head, batch) program."""
     (q_g, k_g, v_g, g_g, beta_g), rest = refs[:5], refs[5:]
     if fused:
@@ -207,7 +221,10 @@ def _intra_kernel(*refs, seq_len, scale, lower_bound, fused, interpret):
     L = jnp.where(rows < C, A * _per_row(beta_rows, A.shape), 0.0)  # A_kk, rows scaled by beta
 
     # (I + L)^-1: block doubling inside the 16x16 diagonal blocks, then the (1, 0) block.
-    matmul = functools.partial(_matmul_f32, b_s=mat_s, cols=cols, interpret=interpret)
+    if inverse == "wgmma":
+        matmul = functools.partial(_matmul_pieces, a_s=lhs_s, b_s=mat_s, interpret=interpret)
+    else:
+        matmul = functools.partial(_matmul_f32, b_s=mat_s, cols=cols, interpret=interpret)
     level = lambda n: jnp.where((rows // n == cols // n) & (rows // (n // 2) != cols // (n // 2)), L, 0.0)
     inv = jnp.where(rows == cols, 1.0, 0.0) - level(2)
     size = 4
@@ -233,7 +250,7 @@ def _intra_kernel(*refs, seq_len, scale, lower_bound, fused, interpret):
     plgpu.wait_smem_to_gmem(0)
 
 
-def intra_chunk(q, k, v, g, beta, gate_params, *, seq_len, scale, lower_bound, interpret):
+def intra_chunk(q, k, v, g, beta, gate_params, *, seq_len, scale, lower_bound, interpret, inverse="fma"):
     """Per-chunk WY quantities at ``CHUNK`` = 32 (Mosaic GPU), as ``kernel.intra_chunk``.
 
     q, k, g [B, T, H, K] (T a multiple of ``CHUNK``; K a multiple of 64); v [B, T, H, V] (V a multiple
@@ -261,7 +278,8 @@ def intra_chunk(q, k, v, g, beta, gate_params, *, seq_len, scale, lower_bound, i
         _tile((rows, CHUNK)),  # a 0/1 selection matrix
         _tile((2, rows, CHUNK)),  # X Diag(beta), two pieces
         _tile((4, rows, K)),  # bf16 pieces of g, of the Gram and of the W operands
-        plgpu.SMEM((rows, CHUNK), _F32),  # right factor of a float32 product
+        # right factor of a product in the inverse: float32 ("fma"), two bf16 pieces ("wgmma")
+        _tile((2, rows, CHUNK)) if inverse == "wgmma" else plgpu.SMEM((rows, CHUNK), _F32),
         _tile((rows, K)),  # W
         _tile((rows, V)),  # U
         _tile((rows, CHUNK)),  # A_kk over A_qk
@@ -269,7 +287,7 @@ def intra_chunk(q, k, v, g, beta, gate_params, *, seq_len, scale, lower_bound, i
         plgpu.Barrier(num_barriers=_N_LOADS),
     ]
     kernel = functools.partial(_intra_kernel, seq_len=seq_len, scale=scale, lower_bound=lower_bound,
-                               fused=fused, interpret=bool(interpret))
+                               fused=fused, inverse=inverse, interpret=bool(interpret))
     tokens = lambda width: jax.ShapeDtypeStruct((B, T, H, width), _BF16)
     out_type = [tokens(K), tokens(V), tokens(K), tokens(K), tokens(CHUNK),
                 jax.ShapeDtypeStruct((B, T // CHUNK, H, K), _F32)]
