@@ -15,6 +15,10 @@ XLA's bf16 dot (cuBLAS) does the product, since a fused kernel decodes every wei
 each row tile. A single dense row (M = 1) runs the one-row kernel (``MXBlocks.gemv``, no matrix
 unit), measured 13% faster there; the grouped kernel keeps the dot path at every M (the one-row
 grouped kernel measured 2-5% slower at batch 1).
+
+Lowering (``lowering=``): "triton" runs the kernels above, "mosaic_tpu" the Mosaic TPU kernels of
+``tpu.py`` (blocks: a ``tpu.TPUBlocks``; TPU interpret mode off a TPU), "auto" (default) the TPU
+kernels on a TPU and Triton elsewhere.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from pallas_kernels.mx_matmul.kernel import (
 )
 
 _MIN_TILE = 16  # smallest M and N tile of a GPU matrix instruction
+LOWERINGS = ("auto", "triton", "mosaic_tpu")
 DECODE_THEN_DOT_MIN_M = 512  # dense rows from which decode-then-cuBLAS beats the fused kernel
 
 
@@ -119,6 +124,13 @@ def _prepare(x: Array | MXTensor, w: MXTensor, m_pad: int, n_pad: int):
     return (xv[:, 0::2], xv[:, 1::2], xs, *_kernel_weight_layout(w, n_pad))
 
 
+def _mosaic_tpu(lowering: str) -> bool:
+    """Whether ``lowering`` picks the Mosaic TPU kernels ("auto": on a TPU)."""
+    if lowering not in LOWERINGS:
+        raise ValueError(f"lowering {lowering!r}; expected one of {LOWERINGS}")
+    return lowering == "mosaic_tpu" or (lowering == "auto" and jax.default_backend() == "tpu")
+
+
 def _resolve(x, out_dtype, interpret):
     if out_dtype is None:
         out_dtype = jnp.bfloat16 if isinstance(x, MXTensor) else x.dtype
@@ -156,12 +168,18 @@ def mx_matmul(
     blocks: MXBlocks | None = None,
     out_dtype=None,
     interpret: bool | None = None,
+    lowering: str = "auto",
 ) -> Array:
     """x [M, K] (bf16/f32, or MXFP8 ``MXTensor`` for W4A8) times MXFP4 w [N, K] -> [M, N].
 
     blocks defaults to ``default_blocks(M)``, which also picks the method (module docstring).
-    out_dtype defaults to x's dtype (bf16 for MXFP8 x); accumulation is float32.
+    out_dtype defaults to x's dtype (bf16 for MXFP8 x); accumulation is float32. lowering: "auto",
+    "triton" or "mosaic_tpu" (module docstring).
     """
+    if _mosaic_tpu(lowering):
+        from pallas_kernels.mx_matmul import tpu  # tpu.py imports this module
+
+        return tpu.mx_matmul(x, w, blocks=blocks, out_dtype=out_dtype, interpret=interpret)
     out_dtype, interpret = _resolve(x, out_dtype, interpret)
     blocks = blocks or default_blocks(x.shape[0])
     return _mx_matmul(x, w, blocks=blocks, out_dtype=out_dtype, interpret=interpret)
@@ -221,16 +239,21 @@ def grouped_mx_matmul(
     blocks: MXBlocks | None = None,
     out_dtype=None,
     interpret: bool | None = None,
+    lowering: str = "auto",
 ) -> Array:
     """Ragged MX matmul: x [M, K] rows sorted by group, MXFP4 w [G, N, K], group_sizes int32 [G]
     -> [M, N]; rows of group g multiply w[g]; rows past sum(group_sizes) are zero.
 
     x is bf16/f32 (W4A16) or an MXFP8 ``MXTensor`` (W4A8); out_dtype defaults to x's dtype (bf16
-    for MXFP8 x); accumulation is float32.
+    for MXFP8 x); accumulation is float32. lowering as in ``mx_matmul``.
     """
+    if _mosaic_tpu(lowering):
+        from pallas_kernels.mx_matmul import tpu  # tpu.py imports this module
+
+        return tpu.grouped_mx_matmul(x, w, group_sizes, blocks=blocks, out_dtype=out_dtype, interpret=interpret)
     out_dtype, interpret = _resolve(x, out_dtype, interpret)
     blocks = blocks or default_blocks(x.shape[0], grouped=True)
     return _grouped_mx_matmul(x, w, group_sizes, blocks=blocks, out_dtype=out_dtype, interpret=interpret)
 
 
-__all__ = ["MXBlocks", "default_blocks", "grouped_mx_matmul", "mx_matmul"]
+__all__ = ["LOWERINGS", "MXBlocks", "default_blocks", "grouped_mx_matmul", "mx_matmul"]
