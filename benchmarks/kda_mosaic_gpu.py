@@ -38,19 +38,14 @@ def _pad(arrays, chunk):
     return [jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2)) for a in arrays]
 
 
-def all_mosaic_forward(q, k, v, g, beta, gate_params, h0, *, seq_len, scale, lower_bound, interpret,
-                       inverse):
+def all_mosaic_forward(q, k, v, g, beta, gate_params, h0, *, seq_len, scale, lower_bound, interpret):
     """``mosaic_gpu.forward``'s contract with both kernels in Mosaic GPU."""
     inter = mosaic_gpu_intra.intra_chunk(q, k, v, g, beta, gate_params, seq_len=seq_len, scale=scale,
-                                         lower_bound=lower_bound, interpret=interpret, inverse=inverse)
+                                         lower_bound=lower_bound, interpret=interpret)
     return mosaic_gpu.state_walk(*inter, h0, interpret=interpret)
 
 
-def _forward(intra):
-    """The Mosaic GPU forward whose intra kernel is ``intra``: "triton" or "mosaic-<inverse>"."""
-    if intra == "triton":
-        return mosaic_gpu.forward
-    return functools.partial(all_mosaic_forward, inverse=intra.split("-")[1])
+FORWARDS = {"triton": mosaic_gpu.forward, "mosaic": all_mosaic_forward}
 
 
 def _gate_params(a_log, dt_bias):
@@ -61,7 +56,7 @@ def _gate_params(a_log, dt_bias):
 def mosaic_fused(q, k, v, z, a_log, dt_bias, beta_logits, lower_bound, h0, *, intra="triton"):
     """``chunk_kda_fused``'s contract through the Mosaic GPU forward (``intra``: its intra kernel)."""
     T = q.shape[1]
-    o, s = _forward(intra)(*_pad([q, k, v, z, beta_logits], mosaic_gpu.CHUNK), _gate_params(a_log, dt_bias),
+    o, s = FORWARDS[intra](*_pad([q, k, v, z, beta_logits], mosaic_gpu.CHUNK), _gate_params(a_log, dt_bias),
                            h0, seq_len=T, scale=K**-0.5, lower_bound=lower_bound, interpret=False)
     return o[:, :T], s
 
@@ -69,20 +64,19 @@ def mosaic_fused(q, k, v, z, a_log, dt_bias, beta_logits, lower_bound, h0, *, in
 @functools.partial(jax.jit, static_argnames="intra")
 def mosaic_plain(q, k, v, g, beta, h0, *, intra="triton"):
     T = q.shape[1]
-    o, s = _forward(intra)(*_pad([q, k, v, g, beta], mosaic_gpu.CHUNK), None, h0, seq_len=T,
+    o, s = FORWARDS[intra](*_pad([q, k, v, g, beta], mosaic_gpu.CHUNK), None, h0, seq_len=T,
                            scale=K**-0.5, lower_bound=0.0, interpret=False)
     return o[:, :T], s
 
 
 @functools.partial(jax.jit, static_argnames="intra")
 def intra_fused(q, k, v, z, a_log, dt_bias, beta_logits, *, intra):
-    """The intra kernel alone at chunk 32 on fused inputs (T a multiple of 32): "triton" or
-    "mosaic-<inverse>"."""
+    """The intra kernel alone at chunk 32 on fused inputs (T a multiple of 32): "triton" or "mosaic"."""
     kw = dict(seq_len=q.shape[1], scale=K**-0.5, lower_bound=LOWER)
     args = (q, k, v, z, beta_logits, _gate_params(a_log, dt_bias))
     if intra == "triton":
         return intra_chunk(*args, blocks=KDABlocks(chunk=mosaic_gpu.CHUNK), **kw)
-    return mosaic_gpu_intra.intra_chunk(*args, interpret=False, inverse=intra.split("-")[1], **kw)
+    return mosaic_gpu_intra.intra_chunk(*args, interpret=False, **kw)
 
 
 def check(intra):
@@ -115,28 +109,29 @@ def walk_inputs(x, T):
 
 
 def time_shape(B, T, intras, rows):
-    """Rows (B, T, what, ms, baseline ms) for one shape: the public Triton path, the forward with each
-    intra kernel, the intra kernels alone (when a Mosaic GPU one is asked for) and the two walks."""
+    """Rows (B, T, what, ms, baseline ms) for one shape: the public path, the forward with each intra
+    kernel, then with "mosaic" among them the two intra kernels alone, else the two walks alone."""
     x = fused_inputs(jax.random.PRNGKey(2), B, T)
     h0 = jnp.zeros((B, H, K, V), jnp.float32)
     base = time_jax(jax.jit(chunk_kda_fused, static_argnums=7), *fused_args(x), h0)
     new = [(B, T, "public chunk_kda_fused", base, base)]
     for intra in intras:
         forward = functools.partial(mosaic_fused, intra=intra)
-        new.append((B, T, f"mosaic walk forward, intra {intra}", time_jax(forward, *fused_args(x), h0), base))
-    if intras != ["triton"]:
+        ms = time_jax(forward, *fused_args(x), h0)
+        new.append((B, T, f"mosaic walk forward, intra {intra}", ms, base))
+    if "mosaic" in intras:
         intra_args = fused_args(x)[:7]
         intra_base = time_jax(functools.partial(intra_fused, intra="triton"), *intra_args)
-        new.append((B, T, "intra alone: triton c32", intra_base, intra_base))
-        for intra in intras:
-            if intra != "triton":
-                ms = time_jax(functools.partial(intra_fused, intra=intra), *intra_args)
-                new.append((B, T, f"intra alone: {intra}", ms, intra_base))
-    w, u, qg, kg, aqk, gend = walk_inputs(x, T)
-    walk_base = time_jax(jax.jit(lambda *a: state_walk(*a, blocks=KDABlocks())), w, u, qg, kg, aqk, gend, h0)
-    new.append((B, T, "walk alone: triton c32 v64", walk_base, walk_base))
-    ms = time_jax(jax.jit(mosaic_gpu.state_walk), w, u, qg, kg, aqk, gend, h0)
-    new.append((B, T, "walk alone: mosaic v64", ms, walk_base))
+        ms = time_jax(functools.partial(intra_fused, intra="mosaic"), *intra_args)
+        new += [(B, T, "intra alone: triton c32", intra_base, intra_base),
+                (B, T, "intra alone: mosaic", ms, intra_base)]
+    else:
+        w, u, qg, kg, aqk, gend = walk_inputs(x, T)
+        walk = jax.jit(lambda *a: state_walk(*a, blocks=KDABlocks()))
+        walk_base = time_jax(walk, w, u, qg, kg, aqk, gend, h0)
+        ms = time_jax(jax.jit(mosaic_gpu.state_walk), w, u, qg, kg, aqk, gend, h0)
+        new += [(B, T, "walk alone: triton c32 v64", walk_base, walk_base),
+                (B, T, "walk alone: mosaic v64", ms, walk_base)]
     for row in new:
         print(row, flush=True)
     rows.extend(new)
@@ -146,8 +141,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--budget-s", type=float, default=200.0)
     parser.add_argument("--intra", default="triton",
-                        help="comma-separated intra kernels of the Mosaic GPU forward: triton, mosaic-fma, "
-                             "mosaic-wgmma")
+                        help="comma-separated intra kernels of the Mosaic GPU forward: triton, mosaic")
     args = parser.parse_args()
     intras = args.intra.split(",")
     start = time.perf_counter()

@@ -104,27 +104,9 @@ def _product_t(shape, pairs, interpret):
     return wgmma_sum(shape, [(lhs, plgpu.transpose_ref(rhs, (1, 0))) for lhs, rhs in pairs])
 
 
-def _matmul_f32(a, b, b_s, cols, interpret):
-    """a @ b in float32 for [64, 32] tiles holding 32x32 matrices in rows 0-31 (rows 32-63 zero):
-    column m of a by a row reduction, row m of b from ``b_s`` (shared memory), one FMA per m."""
-    plgpu.commit_smem()  # the previous product's reads of b_s are done
-    b_s[...] = b
-    plgpu.commit_smem()
-    col_layout = plgpu.Layout.WGMMA.reduce(0)
-
-    def step(m, acc):
-        a_col = jnp.sum(jnp.where(cols == m, a, 0.0), axis=1)
-        b_row = _load(b_s.at[m], col_layout, interpret)
-        return acc + _per_row(a_col, a.shape) * _per_col(b_row, a.shape)
-
-    zeros = _cast(jnp.zeros(a.shape, _F32), plgpu.Layout.WGMMA, interpret)
-    return jax.lax.fori_loop(0, CHUNK, step, zeros)
-
-
-def _matmul_pieces(a, b, a_s, b_s, interpret):
+def _matmul_pieces(a, b, a_s, b_s):
     """a @ b for [64, 32] tiles holding 32x32 matrices in rows 0-31 (rows 32-63 zero) by wgmma: two
     bf16 pieces of each factor in ``a_s`` and ``b_s`` ([2, 64, 32]), hi hi + hi lo + lo hi."""
-    del interpret
     _store_pieces([a_s.at[0], a_s.at[1]], a)
     _store_pieces([b_s.at[0], b_s.at[1]], b)
     plgpu.commit_smem()
@@ -133,13 +115,13 @@ def _matmul_pieces(a, b, a_s, b_s, interpret):
                                            (a_s.at[1], b_s.at[0, top])])
 
 
-def _intra_kernel(*refs, seq_len, scale, lower_bound, fused, inverse, interpret):
+def _intra_kernel(*refs, seq_len, scale, lower_bound, fused, interpret):
     """One (chunk, head, batch) program."""
     (q_g, k_g, v_g, g_g, beta_g), rest = refs[:5], refs[5:]
     if fused:
         (a_g, dtb_g), rest = rest[:2], rest[2:]
-    (w_g, u_g, qg_g, kg_g, aqk_g, gend_g, x_s, g_s, v_s, beta_s, gate_s, sel_s, lhs_s, pool_s, mat_s,
-     w_s, u_s, aqk_s, gend_s, bars) = rest
+    (w_g, u_g, qg_g, kg_g, aqk_g, gend_g, x_s, xf_s, g_s, v_s, beta_s, gate_s, sel_s, lhs_s, pool_s, mat_s,
+     u_s, aqk_s, gend_s, bars) = rest
     c, h, b = jax.lax.axis_index("chunk"), jax.lax.axis_index("head"), jax.lax.axis_index("batch")
     K, V = x_s.shape[1], v_s.shape[1]
     C = CHUNK
@@ -158,22 +140,24 @@ def _intra_kernel(*refs, seq_len, scale, lower_bound, fused, inverse, interpret)
     for i in range(len(copies)):
         plgpu.barrier_wait(bars.at[i])
 
-    rows_kv = _iota((WGMMA_ROWS, K), 0, wgmma, interpret)
-    token_kv = jax.lax.rem(rows_kv, C)  # token of each row on both halves
+    row_ids = _iota((WGMMA_ROWS,), 0, row_vec, interpret)
+    token_row = jax.lax.rem(row_ids, C)  # token of each row on both halves
     rows = _iota((WGMMA_ROWS, C), 0, wgmma, interpret)
     cols = _iota((WGMMA_ROWS, C), 1, wgmma, interpret)
     token = jax.lax.rem(rows, C)
     start = c * C
+    tile = (WGMMA_ROWS, K)
+    on_rows = lambda cond: _per_row(jnp.where(cond, 1.0, 0.0), tile)  # 0/1 per row of a [64, K] tile
 
-    # The token tile: keys on top, scaled queries below; g and beta masked past seq_len.
+    # The token tile (keys on top, scaled queries below) to float32 shared memory; g masked past seq_len.
     x = _load(x_s, wgmma, interpret).astype(_F32)
     g = _load(g_s, wgmma, interpret).astype(_F32)
     if fused:
-        x = x * _per_row(jax.lax.rsqrt(jnp.sum(x * x, axis=1) + 1e-6), x.shape)
+        x = x * _per_row(jax.lax.rsqrt(jnp.sum(x * x, axis=1) + 1e-6), tile)
         a, dtb = _load(gate_s.at[0], col_vec, interpret), _load(gate_s.at[1], col_vec, interpret)
-        g = lower_bound * _sigmoid(_per_col(a, g.shape) * (g + _per_col(dtb, g.shape)))
-    x = x * jnp.where(rows_kv >= C, scale, 1.0)
-    g = jnp.where(start + token_kv < seq_len, g, 0.0)
+        g = lower_bound * _sigmoid(_per_col(a, tile) * (g + _per_col(dtb, tile)))
+    xf_s[...] = x * _per_row(jnp.where(row_ids >= C, scale, 1.0), tile)
+    g = g * on_rows(start + token_row < seq_len)
 
     def beta_vector(ref, layout):
         beta = _load(ref, layout, interpret).astype(_F32)
@@ -184,36 +168,46 @@ def _intra_kernel(*refs, seq_len, scale, lower_bound, fused, inverse, interpret)
     beta_rows = beta_vector(beta_s, row_vec)  # [64], one per row of a token tile
     beta_cols = beta_vector(beta_s.at[top], col_vec)  # [32], one per column of a [64, 32] tile
 
-    # Cumulative sums: selection matrix @ g (three bf16 pieces of g, exact 0/1 selections).
+    # G: a 0/1 selection matrix @ g (three bf16 pieces of g, exact), float32 accumulation.
     _store_pieces([pool_s.at[i] for i in range(3)], g)
+    sel_s[...] = jnp.where(cols <= token, 1.0, 0.0).astype(_BF16)
+    plgpu.commit_smem()
+    G = wgmma_sum(tile, [(sel_s, pool_s.at[i, top]) for i in range(3)])
 
-    def cumulative(last):
-        """[64, K]: row i sums g over tokens m <= last (last [64, 32] or scalar)."""
-        sel_s[...] = jnp.where(cols <= last, 1.0, 0.0).astype(_BF16)
-        plgpu.commit_smem()
-        return wgmma_sum((WGMMA_ROWS, K), [(sel_s, pool_s.at[i, top]) for i in range(3)])
+    def G_at(i):
+        """[K]: G at token i (row i of G)."""
+        return jnp.sum(G * on_rows(row_ids == i), axis=0)
 
-    G = cumulative(token)
-    ref_diag = cumulative(jnp.where(token >= SUB, SUB + SUB // 2 - 1, SUB // 2 - 1))
-    ref_off = cumulative(SUB - 1)
-    G_chunk = cumulative(C - 1)
-
-    # Decayed keys (top) and queries (bottom), the chunk decay.
-    x_s[...] = (x * jnp.exp(jnp.where(rows_kv < C, G_chunk - G, G))).astype(_BF16)
-    gend_s[...] = jnp.sum(jnp.where(rows_kv == 0, jnp.exp(G_chunk), 0.0), axis=0)
+    # Decayed keys (top: exp(G_C - G)) and queries (bottom: exp(G)), the chunk decay exp(G_C).
+    G_chunk = G_at(C - 1)
+    gend_s[...] = jnp.exp(G_chunk)
+    keys = on_rows(row_ids < C)
+    decay = jnp.exp(keys * (_per_col(G_chunk, tile) - G) + (1.0 - keys) * G)
+    x_s[...] = (_load(xf_s, wgmma, interpret) * decay).astype(_BF16)
 
     # Gram blocks: kk (top rows) and qk (bottom rows) against the chunk's keys.
-    def gram(left, right):
-        _store_pieces([pool_s.at[0], pool_s.at[1]], left)
-        _store_pieces([pool_s.at[2], pool_s.at[3]], right)
+    def gram(exponent, left_rows=None, right_rows=None):
+        """(x exp(exponent)) (x exp(-exponent))^T, the rows outside ``left_rows`` / ``right_rows``
+        (boolean [64, K]) of the two factors zero."""
+        def factor(e, kept):
+            x = _load(xf_s, wgmma, interpret)
+            if kept is None:
+                return x * jnp.exp(e)
+            return jnp.where(kept, x * jnp.exp(jnp.where(kept, e, 0.0)), 0.0)
+
+        _store_pieces([pool_s.at[0], pool_s.at[1]], factor(exponent, left_rows))
+        _store_pieces([pool_s.at[2], pool_s.at[3]], factor(-exponent, right_rows))
         plgpu.commit_smem()
         hi_l, lo_l, hi_r, lo_r = pool_s.at[0], pool_s.at[1], pool_s.at[2, top], pool_s.at[3, top]
         return _product_t((WGMMA_ROWS, C), [(hi_l, hi_r), (hi_l, lo_r), (lo_l, hi_r)], interpret)
 
-    diag = gram(x * jnp.exp(G - ref_diag), x * jnp.exp(ref_diag - G))
-    later = token_kv >= SUB
-    off = gram(jnp.where(later, x * jnp.exp(G - ref_off), 0.0),  # rows of sub-tile 1 ...
-               jnp.where(later, 0.0, x * jnp.exp(ref_off - G)))  # ... against the keys of sub-tile 0
+    # Diagonal blocks around the sub-tile midpoints; the (1, 0) block around the last token of
+    # sub-tile 0, rows of sub-tile 1 against the keys of sub-tile 0.
+    first = on_rows(token_row < SUB)
+    midpoint = (first * _per_col(G_at(SUB // 2 - 1), tile)
+                + (1.0 - first) * _per_col(G_at(SUB + SUB // 2 - 1), tile))
+    diag = gram(G - midpoint)
+    off = gram(G - _per_col(G_at(SUB - 1), tile), left_rows=first < 0.5, right_rows=first > 0.5)
     causal = jnp.where(rows < C, cols < token, cols <= token)  # A_kk strictly lower, A_qk lower
     off_block = (token >= SUB) & (cols < SUB)
     A = jnp.where((token // SUB == cols // SUB) & causal, diag, jnp.where(off_block, off, 0.0))
@@ -221,10 +215,7 @@ def _intra_kernel(*refs, seq_len, scale, lower_bound, fused, inverse, interpret)
     L = jnp.where(rows < C, A * _per_row(beta_rows, A.shape), 0.0)  # A_kk, rows scaled by beta
 
     # (I + L)^-1: block doubling inside the 16x16 diagonal blocks, then the (1, 0) block.
-    if inverse == "wgmma":
-        matmul = functools.partial(_matmul_pieces, a_s=lhs_s, b_s=mat_s, interpret=interpret)
-    else:
-        matmul = functools.partial(_matmul_f32, b_s=mat_s, cols=cols, interpret=interpret)
+    matmul = functools.partial(_matmul_pieces, a_s=lhs_s, b_s=mat_s)
     level = lambda n: jnp.where((rows // n == cols // n) & (rows // (n // 2) != cols // (n // 2)), L, 0.0)
     inv = jnp.where(rows == cols, 1.0, 0.0) - level(2)
     size = 4
@@ -235,22 +226,22 @@ def _intra_kernel(*refs, seq_len, scale, lower_bound, fused, inverse, interpret)
 
     # W = (X Diag(beta)) (exp(G) k), U = (X Diag(beta)) v.
     _store_pieces([lhs_s.at[0], lhs_s.at[1]], inv * _per_col(beta_cols, inv.shape))
-    _store_pieces([pool_s.at[0], pool_s.at[1]], x * jnp.exp(G))
+    _store_pieces([pool_s.at[0], pool_s.at[1]], _load(xf_s, wgmma, interpret) * jnp.exp(G))
     plgpu.commit_smem()
     hi, lo = lhs_s.at[0], lhs_s.at[1]
-    w_s[...] = wgmma_sum((WGMMA_ROWS, K), [(hi, pool_s.at[0, top]), (hi, pool_s.at[1, top]),
-                                          (lo, pool_s.at[0, top])]).astype(_BF16)
+    pool_s[2] = wgmma_sum(tile, [(hi, pool_s.at[0, top]), (hi, pool_s.at[1, top]),
+                                 (lo, pool_s.at[0, top])]).astype(_BF16)
     u_s[...] = wgmma_sum((WGMMA_ROWS, V), [(hi, v_s.at[top]), (lo, v_s.at[top])]).astype(_BF16)
     plgpu.commit_smem()
 
-    for src, dst in [(w_s.at[top], w_g.at[b, tokens, h]), (u_s.at[top], u_g.at[b, tokens, h]),
+    for src, dst in [(pool_s.at[2, top], w_g.at[b, tokens, h]), (u_s.at[top], u_g.at[b, tokens, h]),
                      (x_s.at[bottom], qg_g.at[b, tokens, h]), (x_s.at[top], kg_g.at[b, tokens, h]),
                      (aqk_s.at[bottom], aqk_g.at[b, tokens, h]), (gend_s, gend_g.at[b, c, h])]:
         plgpu.copy_smem_to_gmem(src, dst)
     plgpu.wait_smem_to_gmem(0)
 
 
-def intra_chunk(q, k, v, g, beta, gate_params, *, seq_len, scale, lower_bound, interpret, inverse="fma"):
+def intra_chunk(q, k, v, g, beta, gate_params, *, seq_len, scale, lower_bound, interpret):
     """Per-chunk WY quantities at ``CHUNK`` = 32 (Mosaic GPU), as ``kernel.intra_chunk``.
 
     q, k, g [B, T, H, K] (T a multiple of ``CHUNK``; K a multiple of 64); v [B, T, H, V] (V a multiple
@@ -270,24 +261,23 @@ def intra_chunk(q, k, v, g, beta, gate_params, *, seq_len, scale, lower_bound, i
     args += [p.astype(_F32) for p in gate_params] if fused else []
     rows = WGMMA_ROWS
     scratch = [
-        _tile((rows, K)),  # keys over scaled queries; later the decayed keys over the decayed queries
+        _tile((rows, K)),  # keys over queries; later the decayed keys over the decayed queries
+        _tile((rows, K), _F32),  # normalized keys over scaled normalized queries, float32
         _tile((rows, K), g.dtype),  # g on both halves
         _tile((rows, V)),  # v (top half)
         plgpu.SMEM((rows,), _F32),  # beta on both halves
         plgpu.SMEM((2, K), _F32),  # exp(A_log), dt_bias
         _tile((rows, CHUNK)),  # a 0/1 selection matrix
         _tile((2, rows, CHUNK)),  # X Diag(beta), two pieces
-        _tile((4, rows, K)),  # bf16 pieces of g, of the Gram and of the W operands
-        # right factor of a product in the inverse: float32 ("fma"), two bf16 pieces ("wgmma")
-        _tile((2, rows, CHUNK)) if inverse == "wgmma" else plgpu.SMEM((rows, CHUNK), _F32),
-        _tile((rows, K)),  # W
+        _tile((4, rows, K)),  # bf16 pieces of g, of the Gram and of the W operands; W
+        _tile((2, rows, CHUNK)),  # right factor of a product in the inverse, two pieces
         _tile((rows, V)),  # U
         _tile((rows, CHUNK)),  # A_kk over A_qk
         plgpu.SMEM((K,), _F32),  # exp(G_C)
         plgpu.Barrier(num_barriers=_N_LOADS),
     ]
     kernel = functools.partial(_intra_kernel, seq_len=seq_len, scale=scale, lower_bound=lower_bound,
-                               fused=fused, inverse=inverse, interpret=bool(interpret))
+                               fused=fused, interpret=bool(interpret))
     tokens = lambda width: jax.ShapeDtypeStruct((B, T, H, width), _BF16)
     out_type = [tokens(K), tokens(V), tokens(K), tokens(K), tokens(CHUNK),
                 jax.ShapeDtypeStruct((B, T // CHUNK, H, K), _F32)]
