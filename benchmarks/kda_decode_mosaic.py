@@ -1,15 +1,15 @@
 """KDA decode step on the H200: the Mosaic GPU kernel against the Triton kernel and an in-place copy.
 
 Run on the GPU machine (repo root):
-    python3 benchmarks/kda_decode_mosaic.py [--variants s6,s4,...] [--budget-s 120]
+    python3 benchmarks/kda_decode_mosaic.py [--variants s3p2,v32s5p2,...] [--budget-s 120]
 B=64, H=96, K=V=128: state read + write 805 MB, reported as TB/s of that traffic. Every kernel is
 first checked on the GPU against the float32 reference step (plain and fused contracts; relative
 error of o and of the state < 1e-4), then timed with the state donated (``benchmarks.kda.time_decode``:
 median of 5 x mean of 50 steps): the Triton kernel (``kernel.decode_step``, default blocks), the
-Mosaic GPU variants (``VARIANTS``) and an in-place copy of the same bytes (``x * 1.0001``). The
-Triton, default Mosaic GPU and copy rows are timed again at the end (run-to-run spread). Lines go to
-stdout and $OUT/decode_log.txt as they come; once --budget-s has passed no new variant starts; the
-table is printed last.
+Mosaic GPU variants (``VARIANTS``, by default ``DEFAULT_VARIANTS``) and an in-place copy of the same
+bytes (``x * 1.0001``). The Triton, first two Mosaic GPU and copy rows are timed again at the end
+(run-to-run spread). Lines go to stdout and $OUT/decode_log.txt as they come; once --budget-s has
+passed no new variant starts; the table is printed last.
 """
 
 from __future__ import annotations
@@ -38,18 +38,24 @@ from pallas_kernels.kda.ops import _gate_params
 K = 128
 TOL = 1e-4
 _PARAMS = mosaic_gpu_decode.COMPILER_PARAMS
-_SMALL_SCRATCH = dataclasses.replace(_PARAMS, reduction_scratch_bytes=4096)
-VARIANTS = {  # keyword arguments of mosaic_gpu_decode.decode_step; the first is the module's default
-    "s6": {},
+_SCRATCH_4K = dataclasses.replace(_PARAMS, reduction_scratch_bytes=4096)
+# keyword arguments of mosaic_gpu_decode.decode_step. With several programs per SM, all of their
+# shared memory (slots x (state block + vectors) + reduction scratch) must fit the SM's 228 KB.
+VARIANTS = {
+    "s3p2": dict(slots=3, programs_per_sm=2, compiler_params=_SCRATCH_4K),  # 64 columns, 2 programs/SM
+    "v32s5p2": dict(block_v=32, slots=5, programs_per_sm=2, compiler_params=_SCRATCH_4K),
+    "v32s3p3": dict(block_v=32, slots=3, programs_per_sm=3, compiler_params=_SCRATCH_4K),
+    "v32s12": dict(block_v=32, slots=12, compiler_params=_SCRATCH_4K),
+    "s6": dict(slots=6),  # 64 columns, one program per SM
     "s4": dict(slots=4),
-    # several programs per SM: 4 KB of reduction scratch, so that 2 (3) programs' shared memory fits an SM
-    "s3p2": dict(slots=3, programs_per_sm=2, compiler_params=_SMALL_SCRATCH),
-    "s2p3": dict(slots=2, programs_per_sm=3, compiler_params=_SMALL_SCRATCH),
-    "s6_no_auto_barriers": dict(compiler_params=dataclasses.replace(_PARAMS, unsafe_no_auto_barriers=True)),
-    "s6_warpgroup": dict(compiler_params=dataclasses.replace(
+    "s2p3": dict(slots=2, programs_per_sm=3, compiler_params=_SCRATCH_4K),
+    "s6_no_auto_barriers": dict(slots=6, compiler_params=dataclasses.replace(_PARAMS,
+                                                                             unsafe_no_auto_barriers=True)),
+    "s6_warpgroup": dict(slots=6, compiler_params=dataclasses.replace(
         _PARAMS, lowering_semantics=plgpu.LoweringSemantics.Warpgroup)),
     "v128s3": dict(block_v=128, slots=3),
 }
+DEFAULT_VARIANTS = "s3p2,v32s5p2,v32s3p3,v32s12"
 
 
 def log(msg, start=time.perf_counter()):
@@ -74,7 +80,7 @@ def fused_step(kernel):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names of VARIANTS")
+    parser.add_argument("--variants", default=DEFAULT_VARIANTS, help="comma-separated names of VARIANTS")
     parser.add_argument("--budget-s", type=float, default=120.0, help="no new variant after this")
     args = parser.parse_args()
     start = time.perf_counter()
@@ -120,7 +126,8 @@ def main():
         for kind, wrap in (("plain", plain_step), ("fused", fused_step)):
             measure(f"mosaic {name}", kind, wrap(functools.partial(default, **VARIANTS[name])))
     measure("triton (again)", "plain", plain_step(triton))
-    measure(f"mosaic {names[0]} (again)", "plain", plain_step(functools.partial(default, **VARIANTS[names[0]])))
+    for name in names[:2]:
+        measure(f"mosaic {name} (again)", "plain", plain_step(functools.partial(default, **VARIANTS[name])))
     copy()
     lines = ["| decode B=64 H=96 K=V=128 | contract | ms | state TB/s |", "|---|---|---|---|"]
     lines += [f"| {name} | {kind} | {ms:.4f} | {tbs:.2f} |" for name, kind, ms, tbs in rows]

@@ -2,8 +2,8 @@
 
 1. Mosaic GPU's interpret mode against the float32 reference step (``k3jax.functional.kda.step_kda``):
    plain inputs with random gates, gates at the floor -5 and near zero, and the fused raw inputs
-   (norms, bounded gate, beta sigmoid in the kernel). K = 64, V = 128 in two 64-column blocks: 12
-   tiles over 5 programs (3, 3, 2, 2, 2 tiles each), with 2, 3 and 6 shared-memory slots (6: more
+   (norms, bounded gate, beta sigmoid in the kernel). K = 64, V = 128 in four 32-column blocks: 24
+   tiles over 7 programs (4, 4, 4, 3, 3, 3, 3 tiles each), with 2, 3 and 6 shared-memory slots (6: more
    slots than a program has tiles). The interpreted kernel writes a new state buffer whose unwritten
    elements would be NaN.
 2. Lowering for CUDA without a GPU (``lowering_platforms=("cuda",)``) at K = V = 128, plain and fused:
@@ -31,7 +31,7 @@ from reference_numpy import rel_err
 
 TOL = 1e-5  # float32 throughout
 B, H, K, V = 2, 3, 64, 128
-BLOCK_V, PROGRAMS = 64, 5
+BLOCK_V, PROGRAMS = 32, 7
 LOWER = -5.0
 
 
@@ -65,12 +65,11 @@ def test_fused_matches_reference():
     _check(out, ref.step_kda(rq, rk, v, rg, rbeta, state))
 
 
-def test_rejects_blocks_below_copy_size():
-    """32 bf16 values of v are 64 bytes, under the 128 bytes a copy must move."""
+def test_rejects_block_not_dividing_v():
     q, k, v, g, beta, state = plain_inputs(0, B=1, T=1, H=1, K=K, V=V)
     with pytest.raises(ValueError, match="block_v"):
         mosaic_gpu_decode.decode_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state, scale=1.0,
-                                      block_v=32)
+                                      block_v=96)
 
 
 @pytest.mark.parametrize("fused", [False, True])

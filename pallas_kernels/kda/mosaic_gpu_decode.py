@@ -11,9 +11,9 @@ FLOPs a value. So the kernel is a persistent copy loop that computes in register
 - Tiles: (batch, head, value block) triples, ``B * H * V / block_v`` of them, in that order. Program
   p of P takes tiles p, p + P, p + 2P, ... (neighbouring programs read neighbouring tiles together).
 - Slots: each program has ``slots`` shared-memory slots, each holding one tile's state block and its
-  vectors (q, k, g, v, a window of beta; with the fused gates exp(A_log) and dt_bias rows too), all
-  filled by TMA copies that complete on the slot's one barrier. While tile i is computed, the loads
-  of tiles i + 1 .. i + slots - 2 are in flight, and the store of tile i - 1.
+  vectors (q, k, g, the whole row of v, a window of beta; with the fused gates exp(A_log) and dt_bias
+  rows too), all filled by TMA copies that complete on the slot's one barrier. While tile i is
+  computed, the loads of tiles i + 1 .. i + slots - 2 are in flight, and the store of tile i - 1.
 - Per tile: wait for its slot; registers: the state block in the wgmma register layout (rows over
   warps and lanes), the per-row vectors (q, k, exp g) and per-column vectors (v, r, o) in its row
   and column reductions; the two column sums S'^T k and S'^T q and the scalar k . q are register
@@ -110,7 +110,7 @@ def _decode_kernel(*refs, fused, n_tiles, n_programs, heads, v_blocks, beta_wind
 
     def fetch(i, slot):
         b, h, bh, cols = coords(i)
-        sources = [s_in_g.at[b, h, :, cols], q_g.at[b, h], k_g.at[b, h], g_g.at[b, h], v_g.at[b, h, cols],
+        sources = [s_in_g.at[b, h, :, cols], q_g.at[b, h], k_g.at[b, h], g_g.at[b, h], v_g.at[b, h],
                    beta_g.at[pl.ds((bh // beta_window) * beta_window, beta_window)]]
         sources += [x.at[h] for x in gate_g]
         targets = [s_s, q_s, k_s, g_s, v_s, beta_s, *gate_s]
@@ -128,7 +128,7 @@ def _decode_kernel(*refs, fused, n_tiles, n_programs, heads, v_blocks, beta_wind
         plgpu.barrier_wait(bars.at[slot])
         row = lambda ref: _cast(ref[slot], _PER_ROW, interpret).astype(_F32)
         q, k, g = row(q_s), row(k_s), row(g_s)
-        v = _cast(v_s[slot], _PER_COL, interpret).astype(_F32)
+        v = _cast(v_s[slot, cols], _PER_COL, interpret).astype(_F32)
         beta = beta_s[slot, jax.lax.rem(bh, beta_window)].astype(_F32)
         if fused:  # raw inputs: L2-normalize q, k; bounded gate from z; sigmoid of the beta logit
             a, dtb = (row(ref) for ref in gate_s)
@@ -183,9 +183,9 @@ def decode_step(q, k, v, g, beta, state, gate_params=None, *, scale, lower_bound
     B, H, K = q.shape
     V = v.shape[-1]
     bv = min(block_v, V)
-    if K % ROWS or V % bv or bv % 32 or (bv * v.dtype.itemsize) % COPY_BYTES or slots < 2:
-        raise ValueError(f"K={K} must be a multiple of {ROWS}; block_v={bv} must divide V={V}, be a "
-                         f"multiple of 32 and span {COPY_BYTES} bytes of v; slots={slots} >= 2")
+    if K % ROWS or V % bv or bv % 32 or (V * v.dtype.itemsize) % COPY_BYTES or slots < 2:
+        raise ValueError(f"K={K} must be a multiple of {ROWS}; block_v={bv} a multiple of 32 dividing "
+                         f"V={V}; v's rows a multiple of {COPY_BYTES} bytes; slots={slots} >= 2")
     fused = gate_params is not None
     n_tiles = B * H * (V // bv)
     P = num_programs or _num_programs(n_tiles, programs_per_sm, bool(interpret))
@@ -196,7 +196,7 @@ def decode_step(q, k, v, g, beta, state, gate_params=None, *, scale, lower_bound
     vec = lambda n, dtype: plgpu.SMEM((slots, n), dtype)
     scratch = [
         plgpu.SMEM((slots, K, bv), _F32, transforms=_STATE_TRANSFORMS),  # state blocks, in and out
-        vec(K, q.dtype), vec(K, k.dtype), vec(K, g.dtype), vec(bv, v.dtype),
+        vec(K, q.dtype), vec(K, k.dtype), vec(K, g.dtype), vec(V, v.dtype),
         vec(beta_window, beta.dtype), vec(bv, _F32),  # beta windows, o on its way out
     ]
     scratch += [vec(K, _F32)] * (2 if fused else 0)  # exp(A_log), dt_bias rows
