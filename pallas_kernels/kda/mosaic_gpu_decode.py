@@ -10,6 +10,9 @@ FLOPs a value. So the kernel is a persistent copy loop that computes in register
 
 - Tiles: (batch, head, value block) triples, ``B * H * V / block_v`` of them, in that order. Program
   p of P takes tiles p, p + P, p + 2P, ... (neighbouring programs read neighbouring tiles together).
+  P is ``programs_per_sm`` (2) times the SMs: each program is one warpgroup, and two per SM overlap
+  one's arithmetic with the other's (one program per SM with 6 slots measured slower, 3.55-3.58
+  against 3.61-3.65 TB/s: the per-tile reductions of a lone warpgroup are latency-bound).
 - Slots: each program has ``slots`` shared-memory slots, each holding one tile's state block and its
   vectors (q, k, g, the whole row of v, a window of beta; with the fused gates exp(A_log) and dt_bias
   rows too), all filled by TMA copies that complete on the slot's one barrier. While tile i is
@@ -20,14 +23,17 @@ FLOPs a value. So the kernel is a persistent copy loop that computes in register
   reductions (the column sums cross warps through a little shared memory). Then the slot that tile
   i - 1 used is refilled with tile i + slots - 1 (once the store out of it has read it), and tile i's
   new state and output are written into its own slot and copied out by TMA, the state over the
-  input's buffer (``input_output_aliases``: donate the state under ``jit``).
+  input's buffer (the kernel writes a ``jax.new_ref`` of the state, which ``pl.kernel`` aliases in
+  and out: donate the state under ``jit``).
 - beta is one float per (batch, head), below TMA's and Pallas' 128-byte copy size: each tile brings in
   the aligned window of 128 bytes of the flattened [B * H] beta (or beta logits) holding its value and
   reads that one value from shared memory.
 
 The fused variant shares the body: the q/k L2 norms, K3's bounded gate and the beta sigmoid are a few
 vector operations before the same update. In interpret mode (``mosaic_gpu.interpret_params()``, CPU)
-register layouts are not cast (the interpreter keeps none); everything else is the same kernel.
+register layouts are not cast (the interpreter keeps none) and, as JAX 0.10's interpreter takes no
+mutable refs, the kernel runs through ``plgpu.kernel`` and writes the new state to a new buffer;
+everything else is the same kernel.
 
 Layouts: q, k, g [B, H, K] (g: float32, or with the fused gates the raw z); v [B, H, V]; beta [B, H];
 state [B, H, K, V] float32; K a multiple of 64 (wgmma row tiles), block_v a multiple of 32 dividing V.
@@ -42,16 +48,18 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+# Measured fastest on the H200 (benchmarks/RESULTS.md): two programs per SM, three slots of 64 columns.
 BLOCK_V = 64
-SLOTS = 6
-PROGRAMS_PER_SM = 1
+SLOTS = 3
+PROGRAMS_PER_SM = 2
 ROWS = 64  # K must be a multiple of this (the wgmma register layout's row tile)
 COPY_BYTES = 128  # Pallas' Mosaic GPU copies move a multiple of 128 bytes (one warpgroup's worth)
 _F32 = jnp.float32
 # Lane semantics (explicit register layouts; JAX 0.11 defaults to Warpgroup semantics, 0.10 to Lane);
-# 8 KB of reduction scratch: each column sum crosses the four warps in one round (1 KB per register).
+# 4 KB of reduction scratch (two rounds of 1 KB registers per 64-column sum), so that two programs'
+# shared memory fits an SM: 2 x (3 x 34.4 KB + 4 KB) plus 1 KB a block, of 228 KB.
 COMPILER_PARAMS = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
-                                       reduction_scratch_bytes=8192)
+                                       reduction_scratch_bytes=4096)
 _STATE = plgpu.Layout.WGMMA  # [K, block_v]: rows over warps and lanes, pairs of columns per thread
 _PER_ROW = plgpu.Layout.WGMMA.reduce(1)  # [K], one value per state row
 _PER_COL = plgpu.Layout.WGMMA.reduce(0)  # [block_v], one value per state column
