@@ -83,7 +83,7 @@ class Generator:
         return model.extend(tokens, cache, start, lengths, self.scan_layers, logits_at, window)
 
     def _decode_fn(self, weights, tokens, cache, positions, key, sampling, window):
-        logits, cache = self._extend_fn(weights, tokens[:, None], cache, positions, positions + 1, window=window)
+        logits, cache = self._extend_fn(weights, tokens[:, None], cache, positions, None, window=window)
         return sample(logits[:, 0], key, sampling), logits[:, 0], cache
 
     def window(self, end: int) -> int:

@@ -110,11 +110,12 @@ class DecoderLayer(nnx.Module):
 
 class Positions(NamedTuple):
     """Where new tokens go in each cached sequence: start [B] (position of the first new token)
-    and valid [B, T] (real tokens; a prefix of each row, the rest right padding); window (a static
+    and valid [B, T] (real tokens; a prefix of each row, the rest right padding; None: every new
+    token is real, as in a decode step, so nothing is masked); window (a static
     int, or None for all): how many leading MLA cache positions the attention reads."""
 
     start: Array
-    valid: Array
+    valid: Array | None
     window: int | None = None
 
 
@@ -251,17 +252,17 @@ class K3Model(nnx.Module):
         return logits, mix
 
     def extend(
-        self, tokens: Array, cache: list, start: Array, lengths: Array, scan_layers: bool = True,
+        self, tokens: Array, cache: list, start: Array, lengths: Array | None, scan_layers: bool = True,
         logits_at: Array | None = None, window: int | None = None,
     ) -> tuple[Array, list]:
         """Continue cached sequences: tokens [B, T] at positions start[b] + t; a sequence's tokens at
-        or beyond lengths[b] are right padding. Returns (logits [B, T, V] float32, the new cache).
+        or beyond lengths[b] are right padding (lengths None: none is). Returns (logits [B, T, V] float32, the new cache).
         Used for prefill chunks (T tokens) and decode steps (T = 1); the cache must have been made
         by ``init_cache`` with the same ``scan_layers``. ``logits_at`` [B] (indices into the T new
         tokens) computes the head at one token per sequence only: logits [B, 1, V]. ``window``
         (static) lets the MLA layers read only the first ``window`` cache positions; it must exceed
         the position of every real new token."""
-        valid = start[:, None] + jnp.arange(tokens.shape[1]) < lengths[:, None]
+        valid = None if lengths is None else start[:, None] + jnp.arange(tokens.shape[1]) < lengths[:, None]
         logits, _, cache = self._forward(tokens, cache, Positions(start, valid, window), scan_layers, logits_at)
         return logits, cache
 

@@ -20,16 +20,19 @@ _GROUPED = jax.lax.RaggedDotDimensionNumbers(
 )
 
 
-def route(
-    x: Array, gate_weight: Array, correction_bias: Array, k: int, renormalize: bool, scaling_factor: float
-) -> tuple[Array, Array]:
-    """Sigmoid router with noaux_tc selection: the bias picks experts but does not weight them.
+def router_logits(x: Array, gate_weight: Array) -> Array:
+    """x [T, D], gate_weight [E, D] -> float32 logits [T, E]."""
+    return jnp.einsum("td,ed->te", x.astype(jnp.float32), gate_weight.astype(jnp.float32), precision=_HI)
 
-    x [T, D], gate_weight [E, D], correction_bias [E]. Returns (weights [T, k] float32, experts [T, k] int32).
+
+def select_experts(
+    logits: Array, correction_bias: Array, k: int, renormalize: bool, scaling_factor: float
+) -> tuple[Array, Array]:
+    """The sigmoid router's noaux_tc selection: the bias picks experts but does not weight them.
+
+    logits [T, E], correction_bias [E]. Returns (weights [T, k] float32, experts [T, k] int32).
     """
-    scores = jax.nn.sigmoid(
-        jnp.einsum("td,ed->te", x.astype(jnp.float32), gate_weight.astype(jnp.float32), precision=_HI)
-    )
+    scores = jax.nn.sigmoid(logits)
     _, experts = jax.lax.top_k(scores + correction_bias.astype(jnp.float32), k)
     weights = jnp.take_along_axis(scores, experts, axis=-1)
     if renormalize:
@@ -90,4 +93,4 @@ def moe_sorted(
     return jnp.zeros((T, x.shape[1]), jnp.float32).at[token].add(y).astype(x.dtype)
 
 
-__all__ = ["route", "situ", "swiglu", "grouped_matmul", "moe_dense", "moe_sorted"]
+__all__ = ["router_logits", "select_experts", "situ", "swiglu", "grouped_matmul", "moe_dense", "moe_sorted"]

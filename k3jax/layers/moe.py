@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from typing import Literal
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import MoEConfig
-from k3jax.functional.moe import Activation, grouped_matmul, moe_dense, moe_sorted, route
+from k3jax.functional.moe import Activation, grouped_matmul, moe_dense, moe_sorted, router_logits, select_experts
 from k3jax.implementation import get_implementation
 from k3jax.layers.basic import Linear, RMSNorm, Rngs, normal
 from k3jax.layers.mlp import DenseMLP
@@ -57,13 +58,13 @@ def _expert_matmul(x: Array, w: Array | MXTensor, group_sizes: Array) -> Array:
 
 
 def _fused_decode(w: Array | MXTensor, experts: Array) -> bool:
-    """The Pallas path's one-kernel MoE for a few (token, expert) pairs (decode) on MXFP4 experts,
-    where it measured faster than the sorted dispatch (``fused_moe_pays``)."""
-    if not isinstance(w, MXTensor) or get_implementation() != "pallas":
+    """The Pallas path's two-kernel MoE for a few (token, expert) pairs (decode) on MXFP4 experts
+    (``fused_moe_pays``); its kernels are Triton's, so not on a TPU."""
+    if not isinstance(w, MXTensor) or get_implementation() != "pallas" or jax.default_backend() == "tpu":
         return False
     from pallas_kernels.mx_matmul import fused_moe_pays
 
-    return fused_moe_pays(experts.size, experts.shape[-1], w.shape[1])
+    return fused_moe_pays(experts.size)
 
 
 def _dense(w: Array | MXTensor, dtype) -> Array:
@@ -92,10 +93,16 @@ class MoE(nnx.Module):
             self.shared_experts = DenseMLP(dim, shared, act, rngs=rngs, param_dtype=param_dtype)
 
     def route(self, x: Array) -> tuple[Array, Array]:
-        """x [T, D] -> (weights [T, k] float32, experts [T, k] int32)."""
+        """x [T, D] -> (weights [T, k] float32, experts [T, k] int32). The Pallas path (off TPU) picks
+        the experts in one kernel (``pallas_kernels.route``)."""
         cfg = self.cfg
-        return route(x, self.gate.weight[...], self.gate.e_score_correction_bias[...], cfg.experts_per_token,
-                     cfg.renormalize, cfg.routed_scaling_factor)
+        select = select_experts
+        if get_implementation() == "pallas" and jax.default_backend() != "tpu":
+            from pallas_kernels import route as kernels
+
+            select = kernels.select_experts
+        return select(router_logits(x, self.gate.weight[...]), self.gate.e_score_correction_bias[...],
+                      cfg.experts_per_token, cfg.renormalize, cfg.routed_scaling_factor)
 
     def __call__(self, x: Array) -> Array:
         B, T, D = x.shape

@@ -1,0 +1,78 @@
+"""The router's selection in one kernel: sigmoid, bias-picked top-k, renormalization, scaling.
+
+``select_experts(logits, correction_bias, k, renormalize, scaling_factor)`` is
+``k3jax.functional.moe.select_experts`` (the router after its matmul): scores = sigmoid(logits); the k experts with the
+largest ``scores + correction_bias`` (ties to the lower index, as ``lax.top_k``), weighted by their
+scores (not the bias), renormalized to sum 1 if asked, times the scaling factor. XLA runs this as
+about ten small kernels (top-k alone is three); at decode sizes each costs more than its work, so
+here one program per token does it all: k rounds of argmax over the token's E scores. Triton needs
+power-of-two widths: E and k are padded (-inf logits, unused slots dropped).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from k3jax.implementation import pallas_interpret
+from k3jax.typing import Array
+
+
+def _select_kernel(logits_ref, bias_ref, weights_ref, experts_ref, *, k: int, renormalize: bool, scaling: float):
+    """Refs: logits [1, E'] float32 (padding -inf), bias [1, E'], weights [1, k'] float32, experts
+    [1, k'] int32 (k' >= k; slots past k are left zero)."""
+    scores = jax.nn.sigmoid(logits_ref[...])
+    choice = jnp.where(jnp.isneginf(logits_ref[...]), -jnp.inf, scores + bias_ref[...])
+    lanes = jax.lax.broadcasted_iota(jnp.int32, choice.shape, 1)
+    slots = jax.lax.broadcasted_iota(jnp.int32, weights_ref.shape, 1)
+    width = choice.shape[1]
+    weights, experts = jnp.zeros(weights_ref.shape, jnp.float32), jnp.zeros(experts_ref.shape, jnp.int32)
+    for i in range(k):
+        best = jnp.max(choice, axis=1, keepdims=True)
+        index = jnp.min(jnp.where(choice == best, lanes, width), axis=1, keepdims=True)  # lowest index of the max
+        picked = lanes == index
+        weights = jnp.where(slots == i, jnp.sum(jnp.where(picked, scores, 0.0), axis=1, keepdims=True), weights)
+        experts = jnp.where(slots == i, index, experts)
+        choice = jnp.where(picked, -jnp.inf, choice)
+    if renormalize:
+        weights = weights / (jnp.sum(weights, axis=1, keepdims=True) + 1e-20)
+    weights_ref[...] = weights * scaling
+    experts_ref[...] = experts
+
+
+@functools.partial(jax.jit, static_argnames=("k", "renormalize", "scaling_factor", "interpret"))
+def _select(logits, correction_bias, *, k, renormalize, scaling_factor, interpret):
+    T, E = logits.shape
+    width, slots = pl.next_power_of_2(E), pl.next_power_of_2(k)
+    logits = jnp.pad(logits.astype(jnp.float32), ((0, 0), (0, width - E)), constant_values=-jnp.inf)
+    bias = jnp.pad(correction_bias.astype(jnp.float32), (0, width - E))[None]
+    row = lambda n: pl.BlockSpec((1, n), lambda t: (t, 0))
+    weights, experts = pl.pallas_call(
+        functools.partial(_select_kernel, k=k, renormalize=renormalize, scaling=scaling_factor),
+        out_shape=(jax.ShapeDtypeStruct((T, slots), jnp.float32), jax.ShapeDtypeStruct((T, slots), jnp.int32)),
+        grid=(T,),
+        in_specs=[row(width), pl.BlockSpec((1, width), lambda t: (0, 0))],
+        out_specs=(row(slots), row(slots)),
+        interpret=interpret,
+        name="select_experts",
+    )(logits, bias)
+    return weights[:, :k], experts[:, :k]
+
+
+def select_experts(logits: Array, correction_bias: Array, k: int, renormalize: bool, scaling_factor: float, *,
+                   interpret: bool | None = None) -> tuple[Array, Array]:
+    """logits [T, E] (the router's x . gate_weight^T, float32), correction_bias [E] -> (weights
+    [T, k] float32, experts [T, k] int32), as ``k3jax.functional.moe.select_experts``."""
+    if logits.ndim != 2 or correction_bias.shape != logits.shape[1:]:
+        raise ValueError(f"logits [T, E] = {logits.shape} and correction_bias [E] = {correction_bias.shape} disagree")
+    if not 1 <= k <= logits.shape[1]:
+        raise ValueError(f"k = {k}: must be between 1 and the {logits.shape[1]} experts")
+    interpret = pallas_interpret() if interpret is None else interpret
+    return _select(logits, correction_bias, k=k, renormalize=renormalize, scaling_factor=float(scaling_factor),
+                   interpret=interpret)
+
+
+__all__ = ["select_experts"]

@@ -1,0 +1,36 @@
+"""The one-kernel expert selection (pallas_kernels/route.py, interpret mode on CPU) against the
+reference selection (k3jax.functional.moe.select_experts: sigmoid, lax.top_k, renormalize)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from k3jax.functional.moe import select_experts as reference
+from pallas_kernels.route import select_experts
+
+
+@pytest.mark.parametrize("experts,k,renormalize", [(48, 6, True), (64, 8, False)])
+def test_matches_reference_on_random_logits(experts, k, renormalize):
+    kl, kb = jax.random.split(jax.random.key(experts))
+    logits = 2.0 * jax.random.normal(kl, (5, experts), jnp.float32)
+    bias = 0.3 * jax.random.normal(kb, (experts,), jnp.float32)
+    weights, chosen = select_experts(logits, bias, k, renormalize, 2.5)
+    ref_weights, ref_chosen = reference(logits, bias, k, renormalize, 2.5)
+    np.testing.assert_array_equal(chosen, ref_chosen)
+    np.testing.assert_allclose(weights, ref_weights, rtol=1e-6, atol=0)
+
+
+def test_ties_go_to_the_lower_index_and_bias_only_selects():
+    logits = jnp.array([[0.0, 1.0, 1.0, -1.0, 1.0, 0.5, 0.0, -2.0]], jnp.float32)
+    bias = jnp.array([0.0, 0.0, 0.0, 3.0, 0.0, 0.0, 0.0, 0.0], jnp.float32)
+    weights, chosen = select_experts(logits, bias, 3, False, 1.0)
+    np.testing.assert_array_equal(chosen, [[3, 1, 2]])  # 3 by its bias; 1 before 2 and 4 on the tie
+    np.testing.assert_allclose(weights, jax.nn.sigmoid(logits[:, jnp.array([3, 1, 2])]), rtol=1e-6)
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="correction_bias"):
+        select_experts(jnp.zeros((2, 8)), jnp.zeros((7,)), 2, True, 1.0)
+    with pytest.raises(ValueError, match="k = 9"):
+        select_experts(jnp.zeros((2, 8)), jnp.zeros((8,)), 9, True, 1.0)
