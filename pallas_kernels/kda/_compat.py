@@ -7,7 +7,8 @@ Three lowerings (``KDABlocks.lowering``; "auto" picks by backend and JAX version
   are given unless the ``jax_pallas_use_mosaic_gpu`` flag is set; JAX 0.11 defaults to Mosaic GPU,
   and Triton is chosen by passing its ``CompilerParams``, which both versions accept.
 - "mosaic_gpu": ``mosaic_gpu.py``'s state walk (Hopper wgmma, TMA) after the Triton intra kernel;
-  the decode step stays Triton. "auto" on a GPU under JAX >= 0.11 when K and V are multiples of 64.
+  the decode step is ``mosaic_gpu_decode.py`` (TMA-streamed state, written in place). "auto" on a GPU
+  under JAX >= 0.11 when K and V are multiples of 64.
 - "mosaic_tpu": ``tpu.py``'s kernels ("auto" on a TPU).
 
 On a CPU every lowering runs in its interpret mode ("auto": the Triton bodies).

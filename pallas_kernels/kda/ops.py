@@ -25,7 +25,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.kda import mosaic_gpu, reference, tpu
+from pallas_kernels.kda import mosaic_gpu, mosaic_gpu_decode, reference, tpu
 from pallas_kernels.kda._compat import interpret, resolve_lowering
 from pallas_kernels.kda.kernel import KDABlocks, decode_step, intra_chunk, state_walk
 
@@ -71,9 +71,14 @@ def _tpu_interpret():
 
 
 def _decode(q, k, v, g, beta, state, gate_params, *, scale, blocks, lower_bound=0.0):
-    if resolve_lowering(blocks.lowering, q.shape[-1], v.shape[-1]) == "mosaic_tpu":
+    lowering = resolve_lowering(blocks.lowering, q.shape[-1], v.shape[-1])
+    if lowering == "mosaic_tpu":
         return tpu.decode_step(q, k, v, g, beta, state, gate_params, scale=scale, lower_bound=lower_bound,
                                interpret=_tpu_interpret())
+    if lowering == "mosaic_gpu":
+        return mosaic_gpu_decode.decode_step(q, k, v, g, beta, state, gate_params, scale=scale,
+                                             lower_bound=lower_bound,
+                                             interpret=mosaic_gpu.interpret_params() if interpret() else False)
     return decode_step(q, k, v, g, beta, state, gate_params, scale=scale, blocks=blocks, lower_bound=lower_bound)
 
 
