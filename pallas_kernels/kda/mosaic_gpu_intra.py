@@ -1,4 +1,6 @@
-"""KDA intra-chunk kernel lowered through Mosaic GPU (Hopper wgmma, TMA); not yet run on a GPU.
+"""KDA intra-chunk kernel lowered through Mosaic GPU (Hopper wgmma, TMA): correct on the H200, and
+about 5x slower there than the Triton intra kernel (8.65 against 1.74 ms at B1 T8192 H96 K=V=128;
+benchmarks/RESULTS.md, issue 5, run 5), so ``ops`` does not use it.
 
 ``intra_chunk`` has the contract of ``kernel.intra_chunk`` at chunk ``CHUNK`` = 32 (two 16-token
 sub-tiles) with bf16 outputs, so ``mosaic_gpu.state_walk(*intra_chunk(...), initial_state, ...)`` is
@@ -7,20 +9,21 @@ a whole Mosaic GPU forward. Grid (T / 32, H, B), one warpgroup per chunk; the ma
 - Tiles: wgmma multiplies 64 rows per warpgroup and a chunk has 32 tokens, so the 64-row register
   tiles stack two 32-row halves. The token tile holds the keys on top (rows 0-31) and the scaled
   queries below (rows 32-63); g is brought in twice, so G and every per-token value exist on both
-  halves, and one product gives A_kk (top) and A_qk (bottom).
-- G, the sub-tile references and G_C: cumulative sums as products of 0/1 selection matrices
-  ([64, 32], bf16, exact) with g split into three bf16 pieces (hi + mid + lo = g to float32
-  precision), float32 accumulation: G (token i sums tokens m <= i), the diagonal reference (G at the
-  midpoint of i's sub-tile), the off-diagonal reference (G at the last token of sub-tile 0) and G_C.
+  halves, and one product gives A_kk (top) and A_qk (bottom). The normalized, scaled token tile
+  waits in float32 shared memory and is loaded where it is used (fewer live registers).
+- G: a product of a 0/1 selection matrix ([64, 32], bf16, exact; token i sums tokens m <= i) with g
+  split into three bf16 pieces (hi + mid + lo = g to float32 precision), float32 accumulation. The
+  sub-tile references (G at the midpoint of each sub-tile, G at the last token of sub-tile 0) and G_C
+  are rows of G, taken by masked column sums.
 - Gram blocks: (x exp(G - r)) (k exp(r - G))^T per reference as kernel.py, the diagonal blocks
   around the sub-tile midpoint, the (1, 0) block around the last token of sub-tile 0; operands split
   into two bf16 pieces (hi hi + hi lo + lo hi: about 16 significant bits, more than the 11 of TF32,
   which the Triton kernel's default-precision float32 products use on a GPU), the keys' tile read
   transposed.
 - (I + A_kk)^-1: the 16x16 diagonal blocks by the same block doubling as kernel.py (levels 2 to 16),
-  then the (1, 0) block by substitution, X_10 = -X_11 (L_10 X_00); every product in float32 on the
-  CUDA cores: a loop over the inner index adds column m of the left factor (a row reduction) times
-  row m of the right factor (read back from shared memory).
+  then the (1, 0) block by substitution, X_10 = -X_11 (L_10 X_00); every product by wgmma on two
+  bf16 pieces of each factor (hi hi + hi lo + lo hi). A float32 loop on the CUDA cores (one row
+  reduction and one shared-memory row per inner index) took 15.0 ms where this takes 8.9.
 - W = (X Diag(beta)) (exp(G) k) and U = (X Diag(beta)) v by wgmma, X Diag(beta) and exp(G) k in two
   bf16 pieces each, v as it comes (bf16).
 
