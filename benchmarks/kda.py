@@ -47,15 +47,16 @@ PREFILL_VARIANTS = {  # in order of priority: the first (the default) is timed t
     "c64w8_v64": KDABlocks(chunk=64, block_v=64, warps_intra=8),  # 2026-11-30: intra 7.07 ms, walk no faster
     "c64w4_v64": KDABlocks(chunk=64, block_v=64),
 }
-DECODE_VARIANTS = {  # measured: benchmarks/RESULTS.md, KDA runs 3 and 4 (v64w4, the default, is the fastest)
-    "v32w4": KDABlocks(decode_block_v=32),
-    "v64w4": KDABlocks(decode_block_v=64),
-    "v128w4": KDABlocks(decode_block_v=128),
-    "v128w8": KDABlocks(decode_block_v=128, warps_decode=8),
-    "v64w8": KDABlocks(decode_block_v=64, warps_decode=8),
-    "v64w2": KDABlocks(decode_block_v=64, warps_decode=2),
-    "v32w2": KDABlocks(decode_block_v=32, warps_decode=2),
-    "v32w1": KDABlocks(decode_block_v=32, warps_decode=1),
+DECODE_VARIANTS = {  # "auto": the public default (Mosaic GPU decode on JAX 0.11); the rest Triton (KDA runs 3, 4)
+    "auto": KDABlocks(),
+    "v32w4": KDABlocks(lowering="triton", decode_block_v=32),
+    "v64w4": KDABlocks(lowering="triton", decode_block_v=64),
+    "v128w4": KDABlocks(lowering="triton", decode_block_v=128),
+    "v128w8": KDABlocks(lowering="triton", decode_block_v=128, warps_decode=8),
+    "v64w8": KDABlocks(lowering="triton", decode_block_v=64, warps_decode=8),
+    "v64w2": KDABlocks(lowering="triton", decode_block_v=64, warps_decode=2),
+    "v32w2": KDABlocks(lowering="triton", decode_block_v=32, warps_decode=2),
+    "v32w1": KDABlocks(lowering="triton", decode_block_v=32, warps_decode=1),
 }
 
 
