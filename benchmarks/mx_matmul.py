@@ -2,10 +2,14 @@
 
     python3 benchmarks/mx_matmul.py [--quick] [--skip check,dense,grouped] [--only decode]
 
-``--only decode``: the batch-1 question in about two minutes: a shorter correctness section (default
-and one-row gemv paths), dense M = 1 and 16 (default tiles, gemv variants, XLA decode-then-dot, bf16
-dot) and grouped at 1 token (default, gemv variants, ragged_dot); no decode-only, W4A8 timing or
-in-jit loop rows.
+``--only decode``: the batch-1 question in about two minutes: a shorter correctness section (default,
+one-row gemv and Mosaic GPU paths), dense M = 1 and 16 (the Triton default tiles, the default gemv,
+the Mosaic GPU kernel's configurations with its in-jit loop, XLA decode-then-dot, bf16 dot) and
+grouped at 1 token (default, gemv variants, ragged_dot); no decode-only or W4A8 timing rows.
+
+``--profile``: one call each of the Triton default, the one-row gemv and the Mosaic GPU kernel at the
+dense decode shape (M = 1 and 16), after a warm-up call, for a profiler (``ncu``) to count their
+instructions.
 
 1. Correctness on this GPU: the Pallas decode (PTX and arith, and the PTX emulation run in
    interpret mode) bit for bit against XLA's decode; every kernel path (one-row gemv included) vs
@@ -134,6 +138,8 @@ def label(b: MXBlocks) -> str:
     """Short name of a configuration: tiles, launch settings, method."""
     if b.decode_then_dot:
         return f"decode {b.bn}x{b.bk} w{b.num_warps} {b.decode} + XLA dot"
+    if b.mosaic_gpu:
+        return f"mosaic_gpu 64x{b.bk} s{b.num_stages}"
     if b.gemv:
         return f"gemv 1x{b.bn}x{b.bk} w{b.num_warps} s{b.num_stages} {b.decode}"
     return f"{b.bm}x{b.bn}x{b.bk} w{b.num_warps} s{b.num_stages} {b.decode}{' lhs' if b.weights_lhs else ''}"
@@ -171,31 +177,66 @@ def gemv(bn: int, bk: int, num_warps: int, decode: str = "ptx") -> MXBlocks:
     return MXBlocks(1, bn, bk, num_warps, 3, decode=decode, gemv=True)
 
 
+def mosaic(bk: int, stages: int) -> MXBlocks:
+    return MXBlocks(bk=bk, num_stages=stages, mosaic_gpu=True)
+
+
+MOSAIC_GPU = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 11)  # Mosaic GPU kernel runs
+
+
+def mosaic_configs(m: int) -> list[MXBlocks]:
+    """Mosaic GPU kernel configurations timed at dense M <= 64 rows (JAX >= 0.11 only)."""
+    if not MOSAIC_GPU or m > 64:
+        return []
+    return [mosaic(bk, s) for bk, s in [(128, 3), (128, 4), (256, 2), (256, 3), (256, 4)]]
+
+
+def check_mosaic_large_scales(key) -> None:
+    """The Mosaic GPU kernel on scale bytes 100..140: warps whose bytes stay <= 128 take the one-multiply
+    decode, the others the two-multiply one."""
+    kc, ks, kx = jax.random.split(key, 3)
+    n, kk = 256, 512
+    w = MXTensor(jax.random.bits(kc, (n, kk // 2), jnp.uint8),
+                 jax.random.randint(ks, (n, kk // 32), 100, 141).astype(jnp.uint8), "mxfp4")
+    x = jax.random.normal(kx, (16, kk), jnp.float32).astype(jnp.bfloat16)
+    ref = mx_matmul_reference(x, w)
+    for blocks in (mosaic(128, 3), mosaic(256, 2)):
+        out = mx_matmul(x, w, blocks=blocks, out_dtype=jnp.float32)
+        print(f"  {label(blocks)} scale bytes 100..140: rel err {rel_err(out, ref):.2e}", flush=True)
+
+
 def check_correctness(key, focus: bool) -> None:
     """focus: only the default and one-row gemv paths (dense, W4A8, grouped)."""
     print("== correctness on device", flush=True)
     k = jax.random.split(key, 8)
     guarded("decode", lambda: check_decode(k[7]))
+    if MOSAIC_GPU:
+        guarded("mosaic large scales", lambda: check_mosaic_large_scales(k[6]))
     one_row, decode_then_dot = gemv(64, 256, 4), MXBlocks(bn=32, bk=256, decode_then_dot=True)
-    paths = [None, one_row] if focus else [
+    mosaics = [mosaic(128, 3), mosaic(256, 2)] if MOSAIC_GPU else []
+    paths = [None, one_row, *mosaics] if focus else [*mosaics, 
         None, MXBlocks(16, 64, 256, weights_lhs=False), MXBlocks(16, 64, 256, weights_lhs=True, decode="arith"),
         one_row, gemv(32, 512, 4, "arith"), decode_then_dot]
-    w4a8_paths = [None, one_row] if focus else [None, one_row, decode_then_dot]
+    w4a8_paths = ([None, one_row] if focus else [None, one_row, decode_then_dot]) + mosaics[:1]
 
     def dense(x, w, blocks, ref, what):
         out = mx_matmul(x, w, out_dtype=jnp.float32, blocks=blocks)
         name = "default " + label(default_blocks(x.shape[0])) if blocks is None else label(blocks)
         print(f"  {what} {name}: rel err {rel_err(out, ref):.2e}", flush=True)
 
-    for m, n, kk in [(1, 96, 160), (7, 4160, 3584), (100, 352, 96)]:
+    for m, n, kk in [(1, 96, 160), (7, 4160, 3584), (16, 200, 1056), (100, 352, 96)]:
         x = jax.random.normal(k[0], (m, kk), jnp.float32).astype(jnp.bfloat16)
         w = MXTensor.quantize(jax.random.normal(k[1], (n, kk)))
         ref = mx_matmul_reference(x, w)
         for blocks in paths:
+            if blocks is not None and blocks.mosaic_gpu and m > 64:
+                continue
             guarded(f"M={m} {blocks}", lambda: dense(x, w, blocks, ref, f"mx_matmul M={m} N={n} K={kk}"))
         xq = MXTensor.quantize(jax.random.normal(k[2], (m, kk)), "mxfp8")
         ref = mx_matmul_reference(xq, w)
         for blocks in w4a8_paths:
+            if blocks is not None and blocks.mosaic_gpu and m > 64:
+                continue
             guarded(f"W4A8 M={m} {blocks}", lambda: dense(xq, w, blocks, ref, f"W4A8 M={m} N={n} K={kk}"))
     g, n, kk, m = 9, 352, 224, 300
     w = MXTensor.quantize(jax.random.normal(k[3], (g, n, kk)))
@@ -306,15 +347,17 @@ def bench_dense(key, quick: bool, focus: bool) -> None:
         x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
         case, flops = f"dense M={m}", 2.0 * m * n * k
         configs = dense_configs(m)[:1 if focus else 2 if quick else None]
-        gemvs = gemv_configs(m)[:2 if quick else None]
+        gemvs = gemv_configs(m)[:1 if focus else 2 if quick else None]
+        mosaics = mosaic_configs(m)[:2 if quick else None]
         ref = decode_dot(x, w)
-        for blocks in dict.fromkeys(configs[:1] + configs[-1:] + gemvs[:1]):
+        for blocks in dict.fromkeys(configs[:1] + configs[-1:] + gemvs[:1] + mosaics):
             guarded(f"{case} {label(blocks)}", lambda: print(
                 f"  {case} {label(blocks)}: rel err vs XLA decode-then-dot "
                 f"{rel_err(mx_matmul(x, w, blocks=blocks), ref):.2e}", flush=True))
         fn_of_blocks = lambda b: (lambda x, w: mx_matmul(x, w, blocks=b))
         best = best_kernel(case, fn_of_blocks, configs, (x, w), flops, wbytes, loop=m <= 16 and not focus)
         best_kernel(case, fn_of_blocks, gemvs, (x, w), flops, wbytes, loop=m <= 16 and not focus, impl="pallas gemv")
+        best_kernel(case, fn_of_blocks, mosaics, (x, w), flops, wbytes, loop=m <= 16, impl="pallas mosaic_gpu")
         record(case, "XLA decode-then-dot", timed(decode_dot, x, w), flops, wbytes)
         record(case, "XLA bf16 dot (bf16 weights)", timed(bf16_dot, x, w_bf16), flops, wbytes)
         if focus:
@@ -410,12 +453,30 @@ def bench_moe(key, quick: bool, shape=(896, 3072, 3584, 16)) -> None:
                                                      f"{active} experts"))
 
 
+def profile_calls() -> None:
+    """Each decode-shape kernel compiled and run once, then once more for the profiler to read."""
+    n, k = 16 * 3072, 3584
+    kw, kx = jax.random.split(jax.random.key(0))
+    w = random_mx(kw, (n, k))
+    for m in (1, 16):
+        x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
+        for blocks in [default_blocks(16), gemv(32, 256, 4), *mosaic_configs(m)[:1]]:
+            fn = jax.jit(lambda x, w, b=blocks: mx_matmul(x, w, blocks=b))
+            jax.block_until_ready(fn(x, w))
+            print(f"profile call M={m} {label(blocks)}", flush=True)
+            jax.block_until_ready(fn(x, w))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer shapes and tile configs")
     parser.add_argument("--skip", default="", help="comma list of sections to skip: check,dense,grouped,moe")
     parser.add_argument("--only", choices=["decode"], help="decode: batch-1 rows only (module docstring)")
+    parser.add_argument("--profile", action="store_true", help="one call per decode kernel, for ncu")
     args = parser.parse_args()
+    if args.profile:
+        profile_calls()
+        return
     skip = set(filter(None, args.skip.split(",")))
     focus = args.only == "decode"
     print(f"jax {jax.__version__}, devices {jax.devices()}", flush=True)

@@ -176,3 +176,48 @@ def test_fused_moe_matches_dense_reference(tokens):
     assert rel_err(out, ref) < 1e-5
     with pytest.raises(ValueError, match="disagree"):
         fused_moe_mx(x, w1, w3, w1, weights, experts, situ)
+
+
+# Mosaic GPU kernel (mosaic_gpu.py): interpret mode on CPU (its register decode as the jnp twin with the
+# same words, masks and register-to-column map), and Pallas' Mosaic GPU lowering for CUDA on the CPU.
+MOSAIC_128 = MXBlocks(bk=128, num_stages=2, mosaic_gpu=True)
+MOSAIC_256 = MXBlocks(bk=256, num_stages=3, mosaic_gpu=True)
+
+
+def test_mosaic_k_permutation_is_a_permutation():
+    from pallas_kernels.mx_matmul.mosaic_gpu import k_permutation
+
+    for bk in (128, 256):
+        assert sorted(k_permutation(bk).tolist()) == list(range(bk))
+
+
+@pytest.mark.parametrize("blocks,m,n,k", [(MOSAIC_128, 1, 96, 160), (MOSAIC_256, 13, 200, 544)])
+def test_mosaic_gpu_matches_reference(blocks, m, n, k):
+    """N not a multiple of 64, K not of bk (padded); 13 rows padded to wgmma's 16."""
+    w = MXTensor.quantize(jax.random.normal(jax.random.key(40 + m), (n, k)) * 0.05)
+    x = bf16_normal(jax.random.key(41 + m), (m, k))
+    out = mx_matmul(x, w, blocks=blocks)
+    assert out.shape == (m, n) and out.dtype == jnp.float32
+    assert rel_err(out, mx_matmul_reference(x, w)) < 1e-5
+
+
+def test_mosaic_gpu_w4a8_and_large_scales():
+    """MXFP8 x; scale bytes up to 140 (the GPU decode's two-multiply branch above 128)."""
+    n, k = 64, 256
+    codes = jax.random.bits(jax.random.key(42), (n, k // 2), jnp.uint8)
+    w = MXTensor(codes, jax.random.randint(jax.random.key(43), (n, k // 32), 100, 141).astype(jnp.uint8), "mxfp4")
+    xq = MXTensor.quantize(jax.random.normal(jax.random.key(44), (3, k)), "mxfp8")
+    out = mx_matmul(xq, w, blocks=MOSAIC_128, out_dtype=jnp.float32)
+    assert rel_err(out, mx_matmul_reference(xq, w)) < 1e-5
+
+
+def test_mosaic_gpu_lowers_for_cuda():
+    """The decode shape's kernel through Pallas' Mosaic GPU lowering for CUDA (inline PTX, wgmma, TMA)."""
+    from pallas_kernels.mx_matmul.mosaic_gpu import MosaicBlocks, mx_matmul_mosaic
+
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in
+            [((16, 3584), jnp.bfloat16), ((4096, 1792), jnp.uint8), ((4096, 112), jnp.uint8)]]
+    for bk in (128, 256):
+        fn = lambda x, c, s, bk=bk: mx_matmul_mosaic(x, c, s, blocks=MosaicBlocks(bk, 3))
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text

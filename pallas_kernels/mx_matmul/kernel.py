@@ -68,7 +68,10 @@ class MXBlocks:
     decode_then_dot: dense only, decode the whole weight to bf16 with ``decode_mxfp4_pallas``
     (tiles bn x bk) and let XLA do the dot; gemv: one row of x per program (bm must be 1),
     products and sums on the CUDA cores instead of a dot (not with weights_lhs or
-    decode_then_dot). ``ops.py`` shrinks the tiles to fit a shape (bm to at least 16 unless gemv).
+    decode_then_dot); mosaic_gpu: dense, at most 64 rows, the Mosaic GPU kernel of
+    ``mosaic_gpu.py`` (64 weight rows per program, steps of bk = 128 or 256, num_stages steps in
+    flight; the other fields are ignored). ``ops.py`` shrinks the tiles to fit a shape (bm to at
+    least 16 unless gemv; not for mosaic_gpu, which pads).
     """
 
     bm: int = 64
@@ -80,8 +83,11 @@ class MXBlocks:
     decode: Literal["ptx", "arith"] = "ptx"
     decode_then_dot: bool = False
     gemv: bool = False
+    mosaic_gpu: bool = False
 
     def __post_init__(self):
+        if self.mosaic_gpu and (self.bk not in (128, 256) or self.gemv or self.decode_then_dot):
+            raise ValueError(f"mosaic_gpu needs bk 128 or 256 and neither gemv nor decode_then_dot, got {self}")
         if self.gemv and (self.bm != 1 or self.weights_lhs or self.decode_then_dot):
             raise ValueError(
                 f"gemv needs bm == 1 and neither weights_lhs nor decode_then_dot, got bm={self.bm}, "

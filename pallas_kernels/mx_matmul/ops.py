@@ -14,7 +14,9 @@ there on (dense only) the weight is decoded once into a bf16 copy by ``decode_mx
 XLA's bf16 dot (cuBLAS) does the product, since a fused kernel decodes every weight tile again for
 each row tile. A single dense row (M = 1) runs the one-row kernel (``MXBlocks.gemv``, no matrix
 unit), measured 13% faster there; the grouped kernel keeps the dot path at every M (the one-row
-grouped kernel measured 2-5% slower at batch 1).
+grouped kernel measured 2-5% slower at batch 1). On a GPU under JAX >= 0.11, dense M <= 16 runs the
+Mosaic GPU kernel instead (``MXBlocks.mosaic_gpu``, ``mosaic_gpu.py``: weights decoded in registers
+straight into wgmma's operand layout; H200: 49 us against 71-80 us for the Triton kernels).
 
 Lowering (``lowering=``): "triton" runs the kernels above, "mosaic_tpu" the Mosaic TPU kernels of
 ``tpu.py`` (blocks: a ``tpu.TPUBlocks``; TPU interpret mode off a TPU), "auto" (default) the TPU
@@ -43,12 +45,22 @@ from pallas_kernels.mx_matmul.kernel import (
 _MIN_TILE = 16  # smallest M and N tile of a GPU matrix instruction
 LOWERINGS = ("auto", "triton", "mosaic_tpu")
 DECODE_THEN_DOT_MIN_M = 512  # dense rows from which decode-then-cuBLAS beats the fused kernel
+MOSAIC_GPU_MAX_M = 16  # dense rows up to which the Mosaic GPU kernel is the default (measured: 1, 16)
+
+
+def mosaic_gpu_runs() -> bool:
+    """Whether the Mosaic GPU kernel (``mosaic_gpu.py``) is the dense default for few rows: on a GPU
+    under JAX >= 0.11, where it was measured (Pallas' Mosaic GPU backend of JAX 0.10 is untried)."""
+    newer = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 11)
+    return newer and jax.default_backend() == "gpu"
 
 
 def default_blocks(m: int, grouped: bool = False) -> MXBlocks:
     """Tile sizes and method by the number of rows M, the best of the H200 sweep in
     benchmarks/RESULTS.md at dense M = 1, 16, 512, 4096 and grouped decode / prefill; the rows
     between (dense 17..511) are unmeasured."""
+    if m <= MOSAIC_GPU_MAX_M and not grouped and mosaic_gpu_runs():
+        return MXBlocks(bk=128, num_stages=3, mosaic_gpu=True)
     if m == 1 and not grouped:
         return MXBlocks(bm=1, bn=32, bk=256, num_warps=4, num_stages=3, gemv=True)
     if grouped:
@@ -148,9 +160,22 @@ def _decode_then_dot(x, w: MXTensor, blocks: MXBlocks, n_pad: int, out_dtype, in
     return out[:, :n].astype(out_dtype)
 
 
+def _mosaic_gpu(x, w: MXTensor, blocks: MXBlocks, out_dtype, interpret: bool) -> Array:
+    """The Mosaic GPU kernel (``mosaic_gpu.py``) on x decoded to bf16 (exact for MXFP8 x)."""
+    from pallas_kernels.mx_matmul import mosaic_gpu
+
+    xv = x.decode(jnp.bfloat16) if isinstance(x, MXTensor) else x.astype(jnp.bfloat16)
+    out = mosaic_gpu.mx_matmul_mosaic(
+        xv, w.codes, w.scales, blocks=mosaic_gpu.MosaicBlocks(blocks.bk, blocks.num_stages), out_dtype=out_dtype,
+        interpret=mosaic_gpu.interpret_params() if interpret else False)
+    return out
+
+
 @functools.partial(jax.jit, static_argnames=("blocks", "out_dtype", "interpret"))
 def _mx_matmul(x, w, *, blocks, out_dtype, interpret):
     m, n, k = _check(x, w, 2)
+    if blocks.mosaic_gpu:
+        return _mosaic_gpu(x, w, blocks, out_dtype, interpret)
     n_pad = -(-n // _MIN_TILE) * _MIN_TILE
     b = _fit_blocks(blocks, m, n_pad, k)
     if b.decode_then_dot:
