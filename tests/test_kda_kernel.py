@@ -17,7 +17,7 @@ from kda_inputs import plain_inputs as inputs
 from kda_inputs import raw_inputs
 from pallas_kernels.kda import KDABlocks, chunk_kda, chunk_kda_fused, step_kda, step_kda_fused
 from pallas_kernels.kda import reference
-from pallas_kernels.kda._compat import resolve_lowering
+from pallas_kernels.kda._compat import MOSAIC_DECODE_MIN_STATE_BYTES, resolve_decode_lowering, resolve_lowering
 from pallas_kernels.kda.kernel import _unit_lower_inverse
 from reference_numpy import rel_err
 
@@ -139,4 +139,8 @@ def test_auto_lowering_by_backend_and_version(monkeypatch, backend, version, dim
     monkeypatch.setattr(jax, "default_backend", lambda: backend)
     monkeypatch.setattr(jax, "__version__", version)
     assert resolve_lowering("auto", *dims) == expected
+    large, small = MOSAIC_DECODE_MIN_STATE_BYTES, MOSAIC_DECODE_MIN_STATE_BYTES - 1
+    assert resolve_decode_lowering("auto", *dims, large) == expected
+    assert resolve_decode_lowering("auto", *dims, small) == ("triton" if expected == "mosaic_gpu" else expected)
+    assert resolve_decode_lowering("mosaic_gpu", *dims, small) == "mosaic_gpu"
     assert resolve_lowering("mosaic_tpu", *dims) == "mosaic_tpu"

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.functional.attn_res import attn_res_mix
-from k3jax.implementation import get_implementation
 from k3jax.layers.basic import RMSNorm
 from k3jax.typing import Array
 
@@ -19,8 +17,7 @@ class _Query(nnx.Module):
 
 class AttnRes(nnx.Module):
     """A mix site: ``norm.weight [D]`` and ``proj.weight [1, D]`` (released as ``<site>_res_norm.weight``
-    and ``<site>_res_proj.weight``); the zero-initialized query makes a fresh mix a uniform average.
-    The Pallas path (off TPU) mixes in one kernel (``pallas_kernels.attn_res``)."""
+    and ``<site>_res_proj.weight``); the zero-initialized query makes a fresh mix a uniform average."""
 
     def __init__(self, dim: int, eps: float, *, param_dtype=jnp.float32):
         self.norm = RMSNorm(dim, eps, param_dtype=param_dtype)
@@ -28,12 +25,9 @@ class AttnRes(nnx.Module):
 
     def __call__(self, blocks: Array, n_blocks: Array | int, partial: Array) -> tuple[Array, Array]:
         """blocks [N, B, T, D] (first n_blocks valid), partial [B, T, D] -> (mix [B, T, D], weights [N+1, B, T])."""
-        mix = attn_res_mix
-        if get_implementation() == "pallas" and jax.default_backend() != "tpu":
-            from pallas_kernels import attn_res as kernels
-
-            mix = kernels.attn_res_mix
-        out, weights = mix(blocks, n_blocks, partial, self.norm.weight[...], self.proj.weight[...][0], self.norm.eps)
+        out, weights = attn_res_mix(
+            blocks, n_blocks, partial, self.norm.weight[...], self.proj.weight[...][0], self.norm.eps
+        )
         return out.astype(partial.dtype), weights
 
 

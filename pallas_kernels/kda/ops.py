@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.kda import mosaic_gpu, mosaic_gpu_decode, reference, tpu
-from pallas_kernels.kda._compat import interpret, resolve_lowering
+from pallas_kernels.kda._compat import interpret, resolve_decode_lowering, resolve_lowering
 from pallas_kernels.kda.kernel import KDABlocks, decode_step, intra_chunk, state_walk
 
 DEFAULT_BLOCKS = KDABlocks()
@@ -71,7 +71,7 @@ def _tpu_interpret():
 
 
 def _decode(q, k, v, g, beta, state, gate_params, *, scale, blocks, lower_bound=0.0):
-    lowering = resolve_lowering(blocks.lowering, q.shape[-1], v.shape[-1])
+    lowering = resolve_decode_lowering(blocks.lowering, q.shape[-1], v.shape[-1], 2 * state.size * 4)
     if lowering == "mosaic_tpu":
         return tpu.decode_step(q, k, v, g, beta, state, gate_params, scale=scale, lower_bound=lower_bound,
                                interpret=_tpu_interpret())

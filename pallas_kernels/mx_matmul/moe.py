@@ -1,24 +1,22 @@
-"""Fused routed-expert MoE for a few tokens (decode): two kernels, no sort, scatter or atomics.
+"""Fused routed-expert MoE for a few tokens (decode): one kernel, no sort and no scatter.
 
 ``fused_moe_mx(x, w1, w3, w2, weights, experts, act)`` computes, for x [T, R] and each of its k
 (token, expert) pairs, ``y[t] += weight * act(x[t] w1[e]^T, x[t] w3[e]^T) w2[e]^T`` with MXFP4
 expert stacks w1, w3 [E, F, R] and w2 [E, R, F] (the released layout). The sorted dispatch needs
 an argsort, a bincount, a gather, three grouped matmuls and a scatter per layer; at decode sizes
-those small kernels cost more than the weights take to stream. Here:
+those small kernels cost more than the weights take to stream. Here one program owns a pair and
+a block of bf hidden units:
 
-1. ``moe_hidden_mx``, one program per (pair, block of bf hidden units): gate and up for its bf rows
-   of w1 and w3 by the one-row products of the MX kernels (decoded codes times the matching even /
-   odd columns of x on the CUDA cores, float32 sums), then h = act(gate, up), rounded to x's dtype
-   as the reference's matmul outputs are. The rows are read as their even and odd halves (a free
-   view of the stack, [E, F/2, 2, ...]), so h comes out as the even / odd planes step 2 needs.
-2. ``moe_down_mx``, one program per (token, block of br output rows): for each of the token's k
-   pairs, w2[e]'s br rows times h, scaled by the routing weight and summed in float32; each output
-   row is written by one program only. (The first version was one kernel adding the down
-   projection into the output with atomics: at K3's shape, 16 x 96 programs adding into each row,
-   it took 2685 us for 8 tokens against 1389-1446 us for these two kernels; benchmarks/RESULTS.md.)
+1. gate and up for its bf rows of w1 and w3, by the one-row products of the MX kernels (decoded
+   codes times the matching even / odd columns of x on the CUDA cores, float32 sums). The rows are
+   read as their even and odd halves (a free view of the stack, [E, F/2, 2, ...]), so the hidden
+   values come out split the way step 2 needs them;
+2. h = act(gate, up), rounded to x's dtype as the reference's matmul outputs are;
+3. its bf columns of w2 (one or more 32-element scale blocks along F) times h, added into the
+   float32 output rows of its token with atomic adds, scaled by the routing weight.
 
-Every routed weight byte is read once per pair. Interpret mode on CPU runs the same bodies (the
-decode emulated).
+The grid is (pairs, F / bf); programs of one pair read disjoint weights, so every routed weight
+byte is read once per pair. Interpret mode on CPU runs the same body (the decode emulated).
 """
 
 from __future__ import annotations
@@ -29,6 +27,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from k3jax.implementation import pallas_interpret
 from k3jax.mx import BLOCK, MXTensor
@@ -53,13 +52,14 @@ def _one_row_products(codes_at, scales_at, x_refs, token, n_steps: int, bk: int,
     return jnp.sum(jax.lax.fori_loop(0, n_steps, step, jnp.zeros((rows, half), jnp.float32)), axis=1)
 
 
-def _hidden_kernel(experts_ref, x_even_ref, x_odd_ref, w1c_ref, w1s_ref, w3c_ref, w3s_ref, h_even_ref, h_odd_ref,
-                   *, k: int, bf: int, bk: int, act, method: str, interpret: bool):
-    """Refs: experts [T*k]; x_even, x_odd [T, R/2]; w1, w3 codes [E, F/2, 2, R/32, 16] and scales
-    [..., 1]; h_even, h_odd [T*k, F/2] (x's dtype). Program (pair, block of bf hidden units): the
-    block's gate and up sums, then h = act(gate, up) into the pair's row, split even / odd."""
+def _fused_moe_kernel(experts_ref, weights_ref, x_even_ref, x_odd_ref, w1c_ref, w1s_ref, w3c_ref, w3s_ref,
+                      w2c_ref, w2s_ref, y_init_ref, y_ref, *, k: int, bf: int, bk: int, br: int, act,
+                      h_dtype, method: str, interpret: bool):
+    """Refs: experts, weights [T*k]; x_even, x_odd [T, R/2]; w1, w3 codes [E, F/2, 2, R/32, 16] and
+    scales [..., 1]; w2 codes [E, R, F/32, 16] and scales [..., 1]; y [T, R] float32 (aliased to
+    y_init, zeros). Program (pair, block of bf hidden units)."""
     pair, block = pl.program_id(0), pl.program_id(1)
-    expert, token = experts_ref[pair], pair // k
+    expert, token, weight = experts_ref[pair], pair // k, weights_ref[pair]
     x_refs = (x_even_ref, x_odd_ref)
     R = 2 * x_even_ref.shape[1]
     rows = pl.ds(pl.multiple_of(block * (bf // 2), bf // 2), bf // 2)
@@ -69,31 +69,23 @@ def _hidden_kernel(experts_ref, x_even_ref, x_odd_ref, w1c_ref, w1s_ref, w3c_ref
         at = lambda ref: lambda i: ref[expert, rows, parity, pl.ds(pl.multiple_of(i * g, g), g), :]
         return _one_row_products(at(codes_ref), at(scales_ref), x_refs, token, R // bk, bk, method, interpret)
 
-    for parity, h_ref in enumerate((h_even_ref, h_odd_ref)):  # hidden units 2i, 2i + 1: w2's even / odd columns
-        gate = project(w1c_ref, w1s_ref, parity).astype(h_ref.dtype)
-        up = project(w3c_ref, w3s_ref, parity).astype(h_ref.dtype)
-        h_ref[pair, rows] = act(gate, up).astype(h_ref.dtype)
+    def hidden(parity):
+        gate = project(w1c_ref, w1s_ref, parity).astype(h_dtype)
+        up = project(w3c_ref, w3s_ref, parity).astype(h_dtype)
+        return act(gate, up).astype(jnp.float32)
 
+    h = (hidden(0), hidden(1))  # hidden units 2i and 2i + 1 of the block: w2's even / odd columns
+    f_blocks = pl.ds(pl.multiple_of(block * (bf // BLOCK), bf // BLOCK), bf // BLOCK)
 
-def _down_kernel(experts_ref, weights_ref, h_even_ref, h_odd_ref, w2c_ref, w2s_ref, y_ref, *, k: int, br: int,
-                 bk: int, method: str, interpret: bool):
-    """Refs: experts, weights [T*k]; h_even, h_odd [T*k, F/2]; w2 codes [E, R, F/32, 16] and scales
-    [..., 1]; y [T, R] float32. Program (token, block of br output rows): the weighted sum over the
-    token's k pairs of w2[e] rows times h, written once (no other program touches these rows)."""
-    token, block = pl.program_id(0), pl.program_id(1)
-    rows = pl.ds(pl.multiple_of(block * br, br), br)
-    F = 2 * h_even_ref.shape[1]
-    g = bk // BLOCK
+    def down(j, carry):
+        out_rows = pl.ds(pl.multiple_of(j * br, br), br)
+        planes = decode_weight_planes(w2c_ref[expert, out_rows, f_blocks, :], w2s_ref[expert, out_rows, f_blocks, :],
+                                      method, interpret)
+        y = sum(jnp.sum(w.astype(jnp.float32) * h_p[None, :], axis=1) for w, h_p in zip(planes, h))
+        pltriton.atomic_add(y_ref, (token, out_rows), weight * y)  # runs in interpret mode too
+        return carry
 
-    def add_pair(j, acc):
-        pair = token * k + j
-        expert = experts_ref[pair]
-        at = lambda ref: lambda i: ref[expert, rows, pl.ds(pl.multiple_of(i * g, g), g), :]
-        y = _one_row_products(at(w2c_ref), at(w2s_ref), (h_even_ref, h_odd_ref), pair, F // bk, bk, method,
-                              interpret)
-        return acc + weights_ref[pair] * y
-
-    y_ref[token, rows] = jax.lax.fori_loop(0, k, add_pair, jnp.zeros((br,), jnp.float32))
+    jax.lax.fori_loop(0, R // br, down, 0)
 
 
 def _stack_views(w: MXTensor, rows_in_pairs: bool) -> tuple[Array, Array]:
@@ -105,47 +97,47 @@ def _stack_views(w: MXTensor, rows_in_pairs: bool) -> tuple[Array, Array]:
             w.scales.reshape(*lead, w.scales.shape[-1], 1))
 
 
-@functools.partial(jax.jit, static_argnames=("act", "blocks", "bf", "br", "bk_down", "interpret"))
-def _fused_moe_mx(x, w1, w3, w2, weights, experts, *, act, blocks, bf, br, bk_down, interpret):
+@functools.partial(jax.jit, static_argnames=("act", "blocks", "bf", "br", "interpret"))
+def _fused_moe_mx(x, w1, w3, w2, weights, experts, *, act, blocks, bf, br, interpret):
     T, R = x.shape
     k = experts.shape[1]
     F = w1.shape[1]
     xb = x.astype(jnp.bfloat16)
-    experts, weights = experts.reshape(-1).astype(jnp.int32), weights.reshape(-1).astype(jnp.float32)
-    params = _gpu_compiler_params(blocks, interpret)
-    common = dict(method=blocks.decode, interpret=interpret)
-    plane = jax.ShapeDtypeStruct((T * k, F // 2), x.dtype)
-    h_even, h_odd = pl.pallas_call(
-        functools.partial(_hidden_kernel, k=k, bf=bf, bk=blocks.bk, act=act, **common),
-        out_shape=(plane, plane), grid=(T * k, F // bf), compiler_params=params, interpret=interpret,
-        name="moe_hidden_mx",
-    )(experts, xb[:, 0::2], xb[:, 1::2], *_stack_views(w1, True), *_stack_views(w3, True))
+    kernel = functools.partial(_fused_moe_kernel, k=k, bf=bf, bk=blocks.bk, br=br, act=act, h_dtype=x.dtype,
+                               method=blocks.decode, interpret=interpret)
     y = pl.pallas_call(
-        functools.partial(_down_kernel, k=k, br=br, bk=bk_down, **common),
-        out_shape=jax.ShapeDtypeStruct((T, R), jnp.float32), grid=(T, R // br), compiler_params=params,
-        interpret=interpret, name="moe_down_mx",
-    )(experts, weights, h_even, h_odd, *_stack_views(w2, False))
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((T, R), jnp.float32),
+        grid=(T * k, F // bf),
+        input_output_aliases={10: 0},
+        compiler_params=_gpu_compiler_params(blocks, interpret),
+        interpret=interpret,
+        name="fused_moe_mx",
+    )(experts.reshape(-1).astype(jnp.int32), weights.reshape(-1).astype(jnp.float32), xb[:, 0::2], xb[:, 1::2],
+      *_stack_views(w1, True), *_stack_views(w3, True), *_stack_views(w2, False), jnp.zeros((T, R), jnp.float32))
     return y.astype(x.dtype)
 
 
-FUSED_MOE_BLOCKS = MXBlocks(bm=1, bn=32, bk=512, num_warps=4, num_stages=2, gemv=True)
-FUSED_MOE_DOWN_ROWS = 8  # output rows per program of the down-projection kernel
-FUSED_MOE_MAX_PAIRS = 64  # (token, expert) pairs up to which the MoE layer may use these kernels
+FUSED_MOE_BLOCKS = MXBlocks(bm=1, bn=32, bk=256, num_warps=4, num_stages=2, gemv=True)
+FUSED_MOE_MAX_PAIRS = 64  # (token, expert) pairs up to which the MoE layer may use this kernel
+FUSED_MOE_MAX_ADDERS = 256  # programs adding into one output row (k * F / bf) beyond which atomics contend
 
 
-def fused_moe_pays(pairs: int) -> bool:
-    """Whether the MoE layer should take the two-kernel MoE: few (token, expert) pairs (decode)."""
-    return pairs <= FUSED_MOE_MAX_PAIRS
+def fused_moe_pays(pairs: int, experts_per_token: int, hidden: int, blocks: MXBlocks = FUSED_MOE_BLOCKS) -> bool:
+    """Whether the MoE layer should take this kernel: few pairs, and few programs adding into each
+    output row. Measured on the H200 (benchmarks/RESULTS.md): at the `mini` preset's 8 x 24 = 192 adders
+    the fused kernel took the batch-1 decode step from 1.50 to 1.40 ms; at K3's 16 x 96 = 1536 it
+    was 1.13x slower than the sorted dispatch at 1 token and 1.9x at 8 (atomics on the same rows)."""
+    return pairs <= FUSED_MOE_MAX_PAIRS and experts_per_token * hidden // blocks.bn <= FUSED_MOE_MAX_ADDERS
 
 
 def fused_moe_mx(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, weights: Array, experts: Array, act, *,
-                 blocks: MXBlocks = FUSED_MOE_BLOCKS, down_rows: int = FUSED_MOE_DOWN_ROWS,
-                 interpret: bool | None = None) -> Array:
-    """Routed experts for a few tokens in two kernels: x [T, R] (bf16/f32), MXFP4 stacks w1, w3
+                 blocks: MXBlocks = FUSED_MOE_BLOCKS, interpret: bool | None = None) -> Array:
+    """Routed experts for a few tokens in one kernel: x [T, R] (bf16/f32), MXFP4 stacks w1, w3
     [E, F, R] and w2 [E, R, F], weights float32 [T, k], experts int32 [T, k], act(gate, up) ->
     hidden. Returns sum over the k pairs of weight * expert(x), [T, R] in x's dtype (float32
-    accumulation). ``blocks.bn`` (hidden units per program, a multiple of 32 dividing F),
-    ``blocks.bk`` (contracted elements per step) and ``down_rows`` are shrunk to fit."""
+    accumulation). ``blocks.bn`` (hidden units per program, a multiple of 32 dividing F) and
+    ``blocks.bk`` (a power of two dividing R) are shrunk to fit."""
     for name, w, shape in (("w1", w1, None), ("w3", w3, w1.shape), ("w2", w2, None)):
         if not isinstance(w, MXTensor) or w.format != "mxfp4" or w.ndim != 3:
             raise ValueError(f"{name} must be an MXFP4 MXTensor [E, N, K], got {w!r:.200}")
@@ -158,11 +150,12 @@ def fused_moe_mx(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, weights: Ar
         raise ValueError(f"weights {weights.shape} and experts {experts.shape} must both be [T, k], T = {x.shape[0]}")
     if F % BLOCK or R % BLOCK:
         raise ValueError(f"F = {F} and R = {R} must be multiples of {BLOCK}")
-    fit = lambda n, cap: BLOCK * _largest_pow2_divisor(n // BLOCK, max(cap // BLOCK, 1))
+    bf = BLOCK * _largest_pow2_divisor(F // BLOCK, max(blocks.bn // BLOCK, 1))
+    bk = BLOCK * _largest_pow2_divisor(R // BLOCK, max(blocks.bk // BLOCK, 1))
+    br = BLOCK * _largest_pow2_divisor(R // BLOCK, 4)
     interpret = pallas_interpret() if interpret is None else interpret
-    return _fused_moe_mx(x, w1, w3, w2, weights, experts, act=act,
-                         blocks=dataclasses.replace(blocks, bk=fit(R, blocks.bk)), bf=fit(F, blocks.bn),
-                         br=_largest_pow2_divisor(R, down_rows), bk_down=fit(F, blocks.bk), interpret=interpret)
+    return _fused_moe_mx(x, w1, w3, w2, weights, experts, act=act, blocks=dataclasses.replace(blocks, bk=bk),
+                         bf=bf, br=br, interpret=interpret)
 
 
-__all__ = ["FUSED_MOE_BLOCKS", "FUSED_MOE_DOWN_ROWS", "FUSED_MOE_MAX_PAIRS", "fused_moe_mx", "fused_moe_pays"]
+__all__ = ["FUSED_MOE_BLOCKS", "FUSED_MOE_MAX_ADDERS", "FUSED_MOE_MAX_PAIRS", "fused_moe_mx", "fused_moe_pays"]
