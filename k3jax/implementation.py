@@ -51,10 +51,16 @@ def use_implementation(name: Implementation) -> contextlib.AbstractContextManage
     return scoped(_CURRENT, _checked(name))
 
 
+def jax_at_least(major: int, minor: int) -> bool:
+    """Whether the running JAX is at least version major.minor (kernels whose Pallas backend differs
+    between the CI's JAX 0.10 and the GPU machine's 0.11 ask this)."""
+    return tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (major, minor)
+
+
 def pallas_interpret() -> bool:
     """Pallas kernels run in interpret mode when no GPU or TPU is present."""
     return jax.default_backend() == "cpu"
 
 
 __all__ = ["Implementation", "get_implementation", "set_implementation", "use_implementation", "pallas_interpret",
-           "scoped"]
+           "jax_at_least", "scoped"]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import jax
 
-from k3jax.implementation import pallas_interpret
+from k3jax.implementation import jax_at_least, pallas_interpret
 
 
 LOWERINGS = ("auto", "triton", "mosaic_gpu", "mosaic_tpu")
@@ -40,7 +40,7 @@ def resolve_lowering(name: str, key_dim: int, value_dim: int) -> str:
         return "mosaic_tpu"
     from pallas_kernels.kda import mosaic_gpu
 
-    newer = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 11)
+    newer = jax_at_least(0, 11)
     fits = key_dim % mosaic_gpu.WGMMA_ROWS == 0 and value_dim % mosaic_gpu.BLOCK_V == 0
     if backend == "gpu" and newer and fits:
         return "mosaic_gpu"

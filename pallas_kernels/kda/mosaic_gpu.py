@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels._mosaic_gpu import interpret_params
 from pallas_kernels.kda.kernel import KDABlocks, intra_chunk
 
 CHUNK = 32
@@ -39,16 +40,6 @@ WGMMA_ROWS = 64  # rows of a wgmma product per warpgroup
 _F32, _BF16 = jnp.float32, jnp.bfloat16
 _N_LOADS = 6  # tiles brought in per chunk: W, U, decayed q, A_qk, decayed k, exp(G_C)
 _INTRA_BLOCKS = KDABlocks(chunk=CHUNK, inter_dtype="bfloat16")
-
-
-def interpret_params():
-    """Mosaic GPU's interpret mode parameters (CPU): ``plgpu.InterpretGPUParams`` in JAX 0.11; JAX
-    0.10 has the class only under ``jax._src``."""
-    if hasattr(plgpu, "InterpretGPUParams"):
-        return plgpu.InterpretGPUParams()
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
-    return InterpretGPUParams()
 
 
 def _swizzled(minor: int, dtype=_BF16):

@@ -31,7 +31,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from k3jax.implementation import pallas_interpret
+from k3jax.implementation import jax_at_least, pallas_interpret
 from k3jax.mx import BLOCK, ZERO_BLOCK_SCALE_BYTE, MXTensor
 from k3jax.typing import Array
 from pallas_kernels.mx_matmul.kernel import (
@@ -51,8 +51,7 @@ MOSAIC_GPU_MAX_M = 16  # dense rows up to which the Mosaic GPU kernel is the def
 def mosaic_gpu_runs() -> bool:
     """Whether the Mosaic GPU kernel (``mosaic_gpu.py``) is the dense default for few rows: on a GPU
     under JAX >= 0.11, where it was measured (Pallas' Mosaic GPU backend of JAX 0.10 is untried)."""
-    newer = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 11)
-    return newer and jax.default_backend() == "gpu"
+    return jax_at_least(0, 11) and jax.default_backend() == "gpu"
 
 
 def default_blocks(m: int, grouped: bool = False) -> MXBlocks:
@@ -105,6 +104,15 @@ def _check(x: Array | MXTensor, w: MXTensor, w_ndim: int) -> tuple[int, int, int
     if k % BLOCK:
         raise ValueError(f"K = {k} must be a multiple of {BLOCK}")
     return m, n, k
+
+
+def _check_grouped(x: Array | MXTensor, w: MXTensor, group_sizes: Array) -> tuple[int, int, int, int]:
+    """``_check`` for a stack w [G, N, K] and group_sizes [G]; returns (M, N, K, G)."""
+    m, n, k = _check(x, w, 3)
+    g = w.shape[0]
+    if group_sizes.shape != (g,):
+        raise ValueError(f"group_sizes must be [G] = [{g}], got {group_sizes.shape}")
+    return m, n, k, g
 
 
 def _pad_axis(a: Array, axis: int, size: int, value) -> Array:
@@ -165,10 +173,9 @@ def _mosaic_gpu(x, w: MXTensor, blocks: MXBlocks, out_dtype, interpret: bool) ->
     from pallas_kernels.mx_matmul import mosaic_gpu
 
     xv = x.decode(jnp.bfloat16) if isinstance(x, MXTensor) else x.astype(jnp.bfloat16)
-    out = mosaic_gpu.mx_matmul_mosaic(
+    return mosaic_gpu.mx_matmul_mosaic(
         xv, w.codes, w.scales, blocks=mosaic_gpu.MosaicBlocks(blocks.bk, blocks.num_stages), out_dtype=out_dtype,
         interpret=mosaic_gpu.interpret_params() if interpret else False)
-    return out
 
 
 @functools.partial(jax.jit, static_argnames=("blocks", "out_dtype", "interpret"))
@@ -235,10 +242,7 @@ def _work_items(group_sizes: Array, m: int, bm: int, n_items: int) -> Array:
 
 @functools.partial(jax.jit, static_argnames=("blocks", "out_dtype", "interpret"))
 def _grouped_mx_matmul(x, w, group_sizes, *, blocks, out_dtype, interpret):
-    m, n, k = _check(x, w, 3)
-    g = w.shape[0]
-    if group_sizes.shape != (g,):
-        raise ValueError(f"group_sizes must be [G] = [{g}], got {group_sizes.shape}")
+    m, n, k, g = _check_grouped(x, w, group_sizes)
     if blocks.decode_then_dot:
         raise ValueError("decode_then_dot is dense only; grouped_mx_matmul always runs the fused kernel")
     n_pad = -(-n // _MIN_TILE) * _MIN_TILE

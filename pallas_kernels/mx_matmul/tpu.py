@@ -47,7 +47,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from k3jax.mx import BLOCK, ZERO_BLOCK_SCALE_BYTE, MXTensor, e8m0_to_float
 from k3jax.typing import Array
-from pallas_kernels.mx_matmul.ops import _check, _pad_axis, _resolve, _work_items
+from pallas_kernels.mx_matmul.ops import _check, _check_grouped, _pad_axis, _resolve, _work_items
 
 _BF16 = jnp.bfloat16
 _F32 = jnp.float32
@@ -326,10 +326,7 @@ def mx_matmul(x: Array | MXTensor, w: MXTensor, *, blocks: TPUBlocks | None = No
 
 @functools.partial(jax.jit, static_argnames=("blocks", "out_dtype", "interpret"))
 def _grouped_mx_matmul(x, w, group_sizes, *, blocks, out_dtype, interpret):
-    m, n, k = _check(x, w, 3)
-    g = w.shape[0]
-    if group_sizes.shape != (g,):
-        raise ValueError(f"group_sizes must be [G] = [{g}], got {group_sizes.shape}")
+    m, n, k, g = _check_grouped(x, w, group_sizes)
     bm, bn, bk, m_pad, n_pad = _fit(blocks, m, n, k)
     items = _prefetched_items(group_sizes, m, bm, m_pad // bm + min(g, m) - 1)
     out = grouped_mx_matmul_tpu(items, *_x_planes(x, m_pad), *_weights(w, n_pad), bm=bm, bn=bn, bk=bk,
