@@ -1,6 +1,6 @@
 """MX matmul benchmark on one GPU: our Pallas kernels against XLA peers, in one run.
 
-    python3 benchmarks/mx_matmul.py [--quick] [--skip check,dense,grouped] [--only decode]
+    python3 benchmarks/mx_matmul.py [--quick] [--skip check,dense,grouped,moe] [--only decode] [--moe-sweep]
 
 ``--only decode``: the batch-1 question in about two minutes: a shorter correctness section (default,
 one-row gemv and Mosaic GPU paths), dense M = 1 and 16 (the Triton default tiles, the default gemv,
@@ -23,8 +23,9 @@ instructions.
 3. Grouped: K3 routed experts (896 experts, 16 per token): gate+up 3584 -> 2 x 3072 and down
    3072 -> 3584, decode batch 1, 8, 64 and prefill 8192 tokens. Peer: ``jax.lax.ragged_dot`` on
    bf16 weights.
-4. MoE: one K3 layer's routed experts for 1-8 tokens, the fused one-kernel MoE
-   (``fused_moe_mx``) against the sorted dispatch through the grouped kernel.
+4. MoE: one layer's routed experts (K3 for 1-8 tokens, `mini` for 1 and 8), the fused one-kernel
+   MoE (``fused_moe_mx``) against the sorted dispatch through the grouped kernel, each timed inside
+   a jitted loop (``--moe-sweep``: the fused kernel's tile configurations too).
 
 Each kernel runs a few tile configurations (a failing one is printed and skipped); the best of the
 dot kernels and the best of the one-row gemv kernels (``MXBlocks.gemv``) are reported apart. Times
@@ -36,6 +37,7 @@ printed last.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -63,6 +65,7 @@ from pallas_kernels.mx_matmul import (  # noqa: E402
     mx_matmul_reference,
 )
 from pallas_kernels.mx_matmul.kernel import decode_mxfp4_pallas  # noqa: E402
+from pallas_kernels.mx_matmul.moe import FUSED_MOE_BLOCKS, FUSED_MOE_DOWN_ROWS  # noqa: E402
 from pallas_kernels.mx_matmul.ops import _kernel_weight_layout  # noqa: E402
 
 ROWS: list[dict] = []
@@ -426,31 +429,50 @@ def bench_grouped(key, quick: bool, focus: bool) -> None:
         del w
 
 
-def bench_moe(key, quick: bool, shape=(896, 3072, 3584, 16)) -> None:
-    """The routed experts of one K3 MoE layer at decode sizes (896 experts, 16 per token, latent
-    3584, hidden 3072, SiTU): the fused one-kernel MoE against the sorted dispatch through the
-    grouped kernel (argsort, gather, three grouped calls, scatter), both jitted whole."""
-    e, f, r, top_k = shape  # experts, hidden, latent, experts per token
-    print(f"== MoE layer (routed): {e} experts, top {top_k}, {r} -> {f} -> {r}", flush=True)
-    k1, k3, k2, kx, kr = jax.random.split(jax.random.fold_in(key, 7), 5)
-    w1, w3, w2 = random_mx(k1, (e, f, r)), random_mx(k3, (e, f, r)), random_mx(k2, (e, r, f))
-    fused = jax.jit(lambda x, wt, ex, *w: fused_moe_mx(x, *w, wt, ex, situ))
-    matmul = lambda x, w, gs: grouped_mx_matmul(x, w, gs)
-    dispatched = jax.jit(lambda x, wt, ex, *w: moe_sorted(x, *w, wt, ex, situ, matmul=matmul))
-    stacks = (w1, w3, w2)  # arguments, not constants captured by the jitted functions
-    for tokens in [1, 4] if quick else [1, 2, 4, 8]:
-        x = jax.random.normal(jax.random.fold_in(kx, tokens), (tokens, r), jnp.float32).astype(jnp.bfloat16)
-        _, experts = jax.lax.top_k(jax.random.uniform(jax.random.fold_in(kr, tokens), (tokens, e)), top_k)
-        weights = jnp.full((tokens, top_k), 1.0 / top_k, jnp.float32)
-        active = len(np.unique(np.asarray(experts)))
-        wbytes = active * (w1.nbytes + w3.nbytes + w2.nbytes) / e
-        flops = 2.0 * tokens * top_k * 3 * f * r
-        case = f"MoE tokens={tokens}"
-        guarded(case, lambda: print(f"  {case}: fused vs sorted rel err "
-                                    f"{rel_err(fused(x, weights, experts, *stacks), dispatched(x, weights, experts, *stacks)):.2e}"))
-        for impl, fn in (("pallas fused MoE (one kernel)", fused), ("pallas sorted dispatch", dispatched)):
-            guarded(f"{case} {impl}", lambda: record(case, impl, timed(fn, x, weights, experts, *stacks), flops, wbytes,
-                                                     f"{active} experts"))
+MOE_SHAPES = {"K3": ((896, 3072, 3584, 16), (1, 2, 4, 8)), "mini": ((64, 768, 1024, 8), (1, 8))}
+MOE_SWEEP = [(dataclasses.replace(FUSED_MOE_BLOCKS, bn=bn, bk=bk, num_warps=nw), rows)
+             for bn in (32, 64) for bk in (256, 1024) for rows in (128, 512) for nw in (4, 8)]
+MOE_LOOP = 20  # calls per jitted loop: small kernels are timed without host dispatch
+
+
+def bench_moe(key, quick: bool, sweep: bool) -> None:
+    """One MoE layer's routed experts at decode sizes (K3: 896 experts, 16 per token, latent 3584,
+    hidden 3072; `mini`: 64, 8, 1024, 768; SiTU): the fused one-kernel MoE against the sorted
+    dispatch through the grouped kernel (argsort, gather, three grouped calls, scatter), each
+    repeated ``MOE_LOOP`` times inside one jitted loop. ``sweep``: the fused kernel's tiles too
+    (``MOE_SWEEP``: hidden units and contracted elements per program, down-projection rows per atomic
+    add, warps)."""
+    for name, ((e, f, r, top_k), token_counts) in MOE_SHAPES.items():
+        print(f"== MoE layer (routed, {name}): {e} experts, top {top_k}, {r} -> {f} -> {r}", flush=True)
+        k1, k3, k2, kx, kr = jax.random.split(jax.random.fold_in(key, 7), 5)
+        stacks = (random_mx(k1, (e, f, r)), random_mx(k3, (e, f, r)), random_mx(k2, (e, r, f)))
+        fused = lambda blocks, rows: lambda x, wt, ex, *w: fused_moe_mx(x, *w, wt, ex, situ, blocks=blocks,
+                                                                        down_rows=rows)
+        matmul = lambda x, w, gs: grouped_mx_matmul(x, w, gs)
+        base = {"pallas sorted dispatch": lambda x, wt, ex, *w: moe_sorted(x, *w, wt, ex, situ, matmul=matmul),
+                "pallas fused MoE (default)": fused(FUSED_MOE_BLOCKS, FUSED_MOE_DOWN_ROWS)}
+        swept = {f"pallas fused MoE {label(b)} rows {rows}": fused(b, rows) for b, rows in MOE_SWEEP}
+        for tokens in token_counts[:2] if quick else token_counts:
+            ends = tokens in (token_counts[0], token_counts[-1])  # the sweep runs at the fewest and most tokens
+            variants = {**base, **swept} if sweep and ends else base
+            x = jax.random.normal(jax.random.fold_in(kx, tokens), (tokens, r), jnp.float32).astype(jnp.bfloat16)
+            _, experts = jax.lax.top_k(jax.random.uniform(jax.random.fold_in(kr, tokens), (tokens, e)), top_k)
+            weights = jnp.full((tokens, top_k), 1.0 / top_k, jnp.float32)
+            active = len(np.unique(np.asarray(experts)))
+            wbytes = active * sum(w.nbytes for w in stacks) / e
+            flops = 2.0 * tokens * top_k * 3 * f * r
+            case = f"MoE {name} tokens={tokens}"
+            args = (x, weights, experts, *stacks)  # stacks as arguments, not constants of the jitted loops
+            expected = jax.jit(variants["pallas sorted dispatch"])(*args)
+            for impl, fn in variants.items():
+                def one(impl=impl, fn=fn):
+                    err = rel_err(jax.jit(fn)(*args), expected)
+                    if err > 1e-2:
+                        raise AssertionError(f"rel err {err:.2e} against the sorted dispatch")
+                    seconds = timed(looped(fn, MOE_LOOP), *args) / MOE_LOOP
+                    record(case, impl, seconds, flops, wbytes, f"{active} experts, err {err:.1e}")
+                guarded(f"{case} {impl}", one)
+        del stacks
 
 
 def profile_calls() -> None:
@@ -473,6 +495,7 @@ def main() -> None:
     parser.add_argument("--skip", default="", help="comma list of sections to skip: check,dense,grouped,moe")
     parser.add_argument("--only", choices=["decode"], help="decode: batch-1 rows only (module docstring)")
     parser.add_argument("--profile", action="store_true", help="one call per decode kernel, for ncu")
+    parser.add_argument("--moe-sweep", action="store_true", help="section moe: the fused MoE's tiles too")
     args = parser.parse_args()
     if args.profile:
         profile_calls()
@@ -484,7 +507,7 @@ def main() -> None:
     for name, fn in [("check", lambda: check_correctness(key, focus)),
                      ("dense", lambda: bench_dense(key, args.quick, focus)),
                      ("grouped", lambda: bench_grouped(key, args.quick, focus)),
-                     ("moe", lambda: bench_moe(key, args.quick))]:
+                     ("moe", lambda: bench_moe(key, args.quick, args.moe_sweep))]:
         if name in skip:
             continue
         try:

@@ -119,6 +119,7 @@ def _fused_moe_mx(x, w1, w3, w2, weights, experts, *, act, blocks, bf, br, inter
 
 
 FUSED_MOE_BLOCKS = MXBlocks(bm=1, bn=32, bk=256, num_warps=4, num_stages=2, gemv=True)
+FUSED_MOE_DOWN_ROWS = 128
 FUSED_MOE_MAX_PAIRS = 64  # (token, expert) pairs up to which the MoE layer may use this kernel
 FUSED_MOE_MAX_ADDERS = 256  # programs adding into one output row (k * F / bf) beyond which atomics contend
 
@@ -132,12 +133,14 @@ def fused_moe_pays(pairs: int, experts_per_token: int, hidden: int, blocks: MXBl
 
 
 def fused_moe_mx(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, weights: Array, experts: Array, act, *,
-                 blocks: MXBlocks = FUSED_MOE_BLOCKS, interpret: bool | None = None) -> Array:
+                 blocks: MXBlocks = FUSED_MOE_BLOCKS, down_rows: int = FUSED_MOE_DOWN_ROWS,
+                 interpret: bool | None = None) -> Array:
     """Routed experts for a few tokens in one kernel: x [T, R] (bf16/f32), MXFP4 stacks w1, w3
     [E, F, R] and w2 [E, R, F], weights float32 [T, k], experts int32 [T, k], act(gate, up) ->
     hidden. Returns sum over the k pairs of weight * expert(x), [T, R] in x's dtype (float32
-    accumulation). ``blocks.bn`` (hidden units per program, a multiple of 32 dividing F) and
-    ``blocks.bk`` (a power of two dividing R) are shrunk to fit."""
+    accumulation). ``blocks.bn`` (hidden units per program, a multiple of 32 dividing F),
+    ``blocks.bk`` (a power of two dividing R) and ``down_rows`` (output rows per atomic add of the
+    down projection) are shrunk to fit."""
     for name, w, shape in (("w1", w1, None), ("w3", w3, w1.shape), ("w2", w2, None)):
         if not isinstance(w, MXTensor) or w.format != "mxfp4" or w.ndim != 3:
             raise ValueError(f"{name} must be an MXFP4 MXTensor [E, N, K], got {w!r:.200}")
@@ -152,10 +155,10 @@ def fused_moe_mx(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, weights: Ar
         raise ValueError(f"F = {F} and R = {R} must be multiples of {BLOCK}")
     bf = BLOCK * _largest_pow2_divisor(F // BLOCK, max(blocks.bn // BLOCK, 1))
     bk = BLOCK * _largest_pow2_divisor(R // BLOCK, max(blocks.bk // BLOCK, 1))
-    br = BLOCK * _largest_pow2_divisor(R // BLOCK, 4)
+    br = BLOCK * _largest_pow2_divisor(R // BLOCK, max(down_rows // BLOCK, 1))
     interpret = pallas_interpret() if interpret is None else interpret
     return _fused_moe_mx(x, w1, w3, w2, weights, experts, act=act, blocks=dataclasses.replace(blocks, bk=bk),
                          bf=bf, br=br, interpret=interpret)
 
 
-__all__ = ["FUSED_MOE_BLOCKS", "FUSED_MOE_MAX_ADDERS", "FUSED_MOE_MAX_PAIRS", "fused_moe_mx", "fused_moe_pays"]
+__all__ = ["FUSED_MOE_BLOCKS", "FUSED_MOE_DOWN_ROWS", "FUSED_MOE_MAX_ADDERS", "FUSED_MOE_MAX_PAIRS", "fused_moe_mx", "fused_moe_pays"]
