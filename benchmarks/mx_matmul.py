@@ -2,9 +2,10 @@
 
     python3 benchmarks/mx_matmul.py [--quick] [--skip check,dense,grouped,moe] [--only decode] [--moe-sweep]
 
-``--only decode``: the batch-1 question in about two minutes: a shorter correctness section (default,
+``--only decode``: the batch-1 question in about three minutes: a shorter correctness section (default,
 one-row gemv and Mosaic GPU paths), dense M = 1 and 16 (the Triton default tiles, the default gemv,
-the Mosaic GPU kernel's configurations with its in-jit loop, XLA decode-then-dot, bf16 dot) and
+the Mosaic GPU kernel's configurations with its in-jit loop, one row per Mosaic GPU option of
+``MosaicBlocks`` with its error against decode-then-dot, XLA decode-then-dot, bf16 dot) and
 grouped at 1 token (default, gemv variants, ragged_dot); no decode-only or W4A8 timing rows.
 
 ``--profile``: one call each of the Triton default, the one-row gemv and the Mosaic GPU kernel at the
@@ -194,6 +195,40 @@ def mosaic_configs(m: int) -> list[MXBlocks]:
     return [mosaic(bk, s) for bk, s in [(128, 3), (128, 4), (256, 2), (256, 3), (256, 4)]]
 
 
+def mosaic_option_configs(m: int) -> list:
+    """Mosaic GPU kernel options (``mosaic_gpu.MosaicBlocks``, unmeasured when added), each timed next
+    to the plain 64x128 s3 (today's default) in the same run; M <= 64, JAX >= 0.11 only."""
+    if not MOSAIC_GPU or m > 64:
+        return []
+    from pallas_kernels.mx_matmul.mosaic_gpu import MosaicBlocks
+
+    return [MosaicBlocks(128, 3, **o) for o in [
+        {}, dict(wgmma_in_flight=1), dict(out_mn=True), dict(x_in_kernel=True), dict(out_mn=True, x_in_kernel=True),
+        dict(warpgroups=2), dict(warpgroups=2, wgmma_in_flight=1, out_mn=True),
+        dict(wgmma_in_flight=1, out_mn=True, x_in_kernel=True)]]
+
+
+def mosaic_option_label(b) -> str:
+    on = [f"wg{b.warpgroups}"] * (b.warpgroups > 1) + ["inflight1"] * b.wgmma_in_flight + \
+        ["out_mn"] * b.out_mn + ["x_in_kernel"] * b.x_in_kernel
+    return f"mosaic_gpu 64x{b.bk} s{b.stages} {'+'.join(on) or 'plain'}"
+
+
+def bench_mosaic_options(case: str, x, w: MXTensor, ref, flops: float, wbytes: float) -> None:
+    """Each option configuration: rel err vs XLA decode-then-dot, then its own time row."""
+    from pallas_kernels.mx_matmul.mosaic_gpu import mx_matmul_mosaic
+
+    for b in mosaic_option_configs(x.shape[0]):
+        name = mosaic_option_label(b)
+        fn = jax.jit(lambda x, codes, scales, b=b: mx_matmul_mosaic(x, codes, scales, blocks=b, out_dtype=x.dtype))
+        try:
+            err = rel_err(fn(x, w.codes, w.scales), ref)
+            record(case, "pallas mosaic_gpu option", timed(fn, x, w.codes, w.scales), flops, wbytes,
+                   f"{name} (rel err {err:.1e})")
+        except Exception as e:
+            print(f"  {case} {name}: FAILED {type(e).__name__}: {str(e)[:600]}", flush=True)
+
+
 def check_mosaic_large_scales(key) -> None:
     """The Mosaic GPU kernel on scale bytes 100..140: warps whose bytes stay <= 128 take the one-multiply
     decode, the others the two-multiply one."""
@@ -361,6 +396,7 @@ def bench_dense(key, quick: bool, focus: bool) -> None:
         best = best_kernel(case, fn_of_blocks, configs, (x, w), flops, wbytes, loop=m <= 16 and not focus)
         best_kernel(case, fn_of_blocks, gemvs, (x, w), flops, wbytes, loop=m <= 16 and not focus, impl="pallas gemv")
         best_kernel(case, fn_of_blocks, mosaics, (x, w), flops, wbytes, loop=m <= 16, impl="pallas mosaic_gpu")
+        bench_mosaic_options(case, x, w, ref, flops, wbytes)
         record(case, "XLA decode-then-dot", timed(decode_dot, x, w), flops, wbytes)
         record(case, "XLA bf16 dot (bf16 weights)", timed(bf16_dot, x, w_bf16), flops, wbytes)
         if focus:
