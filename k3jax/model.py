@@ -256,8 +256,8 @@ class K3Model(nnx.Module):
         logits_at: Array | None = None, window: int | None = None,
     ) -> tuple[Array, list]:
         """Continue cached sequences: tokens [B, T] at positions start[b] + t; a sequence's tokens at
-        or beyond lengths[b] are right padding (lengths None: none is). Returns (logits [B, T, V] float32, the new cache).
-        Used for prefill chunks (T tokens) and decode steps (T = 1); the cache must have been made
+        or beyond lengths[b] are right padding (lengths None: none is). Returns (logits [B, T, V]
+        float32, the new cache). Used for prefill chunks (T tokens) and decode steps (T = 1); the cache must have been made
         by ``init_cache`` with the same ``scan_layers``. ``logits_at`` [B] (indices into the T new
         tokens) computes the head at one token per sequence only: logits [B, 1, V]. ``window``
         (static) lets the MLA layers read only the first ``window`` cache positions; it must exceed

@@ -1,9 +1,10 @@
 """The router's selection in one kernel: sigmoid, bias-picked top-k, renormalization, scaling.
 
 ``select_experts(logits, correction_bias, k, renormalize, scaling_factor)`` is
-``k3jax.functional.moe.select_experts`` (the router after its matmul): scores = sigmoid(logits); the k experts with the
-largest ``scores + correction_bias`` (ties to the lower index, as ``lax.top_k``), weighted by their
-scores (not the bias), renormalized to sum 1 if asked, times the scaling factor. XLA runs this as
+``k3jax.functional.moe.select_experts`` (the router after its matmul): scores = sigmoid(logits);
+the k experts with the largest ``scores + correction_bias`` (ties to the lower index, as
+``lax.top_k``), weighted by their scores (not the bias), renormalized to sum 1 if asked, times the
+scaling factor. XLA runs this as
 about ten small kernels (top-k alone is three); at decode sizes each costs more than its work, so
 here one program per token does it all: k rounds of argmax over the token's E scores. Triton needs
 power-of-two widths: E and k are padded (-inf logits, unused slots dropped).
