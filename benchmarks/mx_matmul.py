@@ -475,8 +475,8 @@ def bench_moe(key, quick: bool, sweep: bool) -> None:
     """One MoE layer's routed experts at decode sizes (K3: 896 experts, 16 per token, latent 3584,
     hidden 3072; `mini`: 64, 8, 1024, 768; SiTU): the fused one-kernel MoE against the sorted
     dispatch through the grouped kernel (argsort, gather, three grouped calls, scatter), each
-    repeated ``MOE_LOOP`` times inside one jitted loop. ``sweep``: the fused kernel's tiles too
-    (``MOE_SWEEP``: hidden units and contracted elements per program, down-projection rows per atomic
+    repeated ``MOE_LOOP`` times inside one jitted loop. ``sweep``: at one token, the fused kernel's
+    tiles too (``MOE_SWEEP``: hidden units and contracted elements per program, down-projection rows per atomic
     add, warps)."""
     for name, ((e, f, r, top_k), token_counts) in MOE_SHAPES.items():
         print(f"== MoE layer (routed, {name}): {e} experts, top {top_k}, {r} -> {f} -> {r}", flush=True)
