@@ -46,16 +46,18 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from k3jax.mx import BLOCK, ZERO_BLOCK_SCALE_BYTE
 from k3jax.typing import Array
 from pallas_kernels._mosaic_gpu import interpret_params
-from pallas_kernels.mx_matmul.kernel import _times_bias_and_scale
+from pallas_kernels.mx_matmul.kernel import (
+    _BF16X2_2_POW_126,
+    _BF16X2_NEG_ZERO,
+    _MAGNITUDE_MASK,
+    _SIGN_MASK,
+    _times_bias_and_scale,
+)
 
 ROWS = 64  # weight rows per program: one wgmma M tile, one warpgroup
 CHUNK_BYTES = 16  # code bytes per 32-element scale block
 _TMA_MAX_BOX = 256  # elements per dimension of one TMA copy
 _SCALE_COLUMN_ALIGN = 16  # a TMA row must be a multiple of 16 bytes
-_SIGN_MASK = 0x80008000
-_MAGNITUDE_MASK = 0x01C001C0
-_BF16X2_2_POW_126 = 0x7E807E80
-_BF16X2_NEG_ZERO = 0x80008000
 _F32, _BF16 = jnp.float32, jnp.bfloat16
 
 
