@@ -53,6 +53,7 @@ from pallas_kernels.mx_matmul.kernel import (
     _SIGN_MASK,
     _times_bias_and_scale,
 )
+from pallas_kernels.mx_matmul.ops import _pad_axis
 
 ROWS = 64  # weight rows per program: one wgmma M tile, one warpgroup
 CHUNK_BYTES = 16  # code bytes per 32-element scale block
@@ -451,9 +452,7 @@ def _round_up(n: int, m: int) -> int:
 
 
 def _pad2(a: Array, rows: int, cols: int, value) -> Array:
-    if a.shape == (rows, cols):
-        return a
-    return jnp.pad(a, ((0, rows - a.shape[0]), (0, cols - a.shape[1])), constant_values=value)
+    return _pad_axis(_pad_axis(a, 0, rows, value), 1, cols, value)
 
 
 def rows_padded(m: int) -> int:
