@@ -118,8 +118,12 @@ def _fused_moe_mx(x, w1, w3, w2, weights, experts, *, act, blocks, bf, br, inter
     return y.astype(x.dtype)
 
 
-FUSED_MOE_BLOCKS = MXBlocks(bm=1, bn=32, bk=256, num_warps=4, num_stages=2, gemv=True)
-FUSED_MOE_DOWN_ROWS = 128
+# Tiles from the one-token sweep at `mini`'s shape (H200, benchmarks/RESULTS.md, fifth session): 32 hidden
+# units and up to 1024 contracted elements per program, the whole output row per atomic add, 8 warps:
+# 16.2 us against 23.7 us for 256 / 128 / 4 warps. Larger bk and down rows shorten each program's chain
+# of dependent steps, which is what a decode-sized MoE waits on.
+FUSED_MOE_BLOCKS = MXBlocks(bm=1, bn=32, bk=1024, num_warps=8, num_stages=2, gemv=True)
+FUSED_MOE_DOWN_ROWS = 1024
 FUSED_MOE_MAX_PAIRS = 64  # (token, expert) pairs up to which the MoE layer may use this kernel
 FUSED_MOE_MAX_ADDERS = 256  # programs adding into one output row (k * F / bf) beyond which atomics contend
 
