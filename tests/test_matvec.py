@@ -1,0 +1,58 @@
+"""The several-weights matvec kernel (pallas_kernels/matvec.py, interpret mode on CPU) against
+jnp.einsum at precision HIGHEST on float32-cast operands, rounded once to the output dtype."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.matvec import MAX_ROWS, MatvecBlocks, matvecs
+
+# bn = 8, bk = 64: N = 5 is below the block, 20 and 13 are not multiples of it, D = 200 not of bk.
+BLOCKS = MatvecBlocks(bn=8, bk=64)
+WEIGHTS = [(5, jnp.bfloat16), (20, jnp.float32), (16, jnp.bfloat16), (13, jnp.float32)]
+OUT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float32, jnp.float32)
+
+
+def _reference(x, w, dtype):
+    f32 = jnp.float32
+    return jnp.einsum("md,nd->mn", x.astype(f32), w.astype(f32), precision=jax.lax.Precision.HIGHEST).astype(dtype)
+
+
+@pytest.mark.parametrize("m,x_dtype", [(1, jnp.bfloat16), (3, jnp.float32)])
+def test_matches_einsum_on_random_data(m, x_dtype):
+    depth = 200
+    keys = jax.random.split(jax.random.key(m), len(WEIGHTS) + 1)
+    x = jax.random.normal(keys[0], (m, depth), jnp.float32).astype(x_dtype)
+    weights = [jax.random.normal(k, (n, depth), jnp.float32).astype(d) for k, (n, d) in zip(keys[1:], WEIGHTS)]
+    outs = matvecs(x, weights, OUT_DTYPES, blocks=BLOCKS)
+    for out, w, dtype in zip(outs, weights, OUT_DTYPES):
+        ref = _reference(x, w, dtype)
+        assert out.shape == ref.shape and out.dtype == ref.dtype
+        tolerance = 1e-5 if dtype == jnp.float32 else 1e-2  # summation order; one bf16 ulp
+        np.testing.assert_allclose(np.float32(out), np.float32(ref), rtol=tolerance, atol=tolerance)
+
+
+def test_lowers_for_cuda_through_triton():
+    """Pallas' Triton lowering of the kernel (masked row and column tiles, two dtypes), on the CPU."""
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in
+            [((3, 2000), jnp.bfloat16), ((100, 2000), jnp.float32), ((16, 2000), jnp.bfloat16)]]
+    fn = lambda x, *w: matvecs(x, w, (jnp.float32, jnp.bfloat16), interpret=False)
+    assert "xla.gpu.triton" in jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_bad_inputs_are_refused():
+    x = jnp.zeros((2, 64), jnp.bfloat16)
+    w = jnp.zeros((8, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="1 <= M"):
+        matvecs(jnp.zeros((MAX_ROWS + 1, 64), jnp.bfloat16), [w])
+    with pytest.raises(ValueError, match="D = 64"):
+        matvecs(x, [w, jnp.zeros((8, 32), jnp.bfloat16)])
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        matvecs(x, [w.astype(jnp.float16)])
+    with pytest.raises(ValueError, match="out_dtypes"):
+        matvecs(x, [w, w], [jnp.float32])
+    with pytest.raises(ValueError, match="at least one"):
+        matvecs(x, [])
+    with pytest.raises(ValueError, match="power of two"):
+        MatvecBlocks(bn=12)
