@@ -128,8 +128,8 @@ def test_kda_layer_prompt_then_decode(kda_case):
         out_ref, cache_ref = kda_reference(params, cfg, x[b, :PROMPT])
         assert R.rel_err(out[b], out_ref) < TOL
         assert R.rel_err(state.recurrent[b], cache_ref["state"]) < TOL
-        for name in ("q", "k", "v"):
-            assert R.rel_err(getattr(state, f"conv_{name}")[b], cache_ref[f"conv_{name}"]) < TOL
+        for name, conv in zip("qkv", np.split(np.asarray(state.conv), 3, axis=-1)):
+            assert R.rel_err(conv[b], cache_ref[f"conv_{name}"]) < TOL
     steps = []
     for t in range(PROMPT, PROMPT + DECODE):
         o, state = jcall(module, x[:, t : t + 1], state)

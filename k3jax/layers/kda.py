@@ -18,11 +18,11 @@ from k3jax.typing import Array
 
 
 class KDAState(NamedTuple):
-    """What a sequence carries between calls: conv inputs [B, W-1, H*K] x3 and the state [B, H, K, V]."""
+    """What a sequence carries between calls: the short convs' last W-1 inputs [B, W-1, 3*H*K] (q, k,
+    v channels side by side: one buffer, so a decode step updates it in one kernel) and the state
+    [B, H, K, V]."""
 
-    conv_q: Array
-    conv_k: Array
-    conv_v: Array
+    conv: Array
     recurrent: Array
 
 
@@ -56,14 +56,11 @@ def _kda_core_fused(q, k, v, z, a_log, dt_bias, beta_logits, state, lower_bound:
 
 
 class ShortConv(nnx.Module):
-    """Causal depthwise conv over W taps; weight [F, 1, W] float32 as released."""
+    """A causal depthwise conv's weight over W taps, [F, 1, W] float32 as released. The KDA layer runs
+    its three (q, k, v) as one conv over the channels side by side (``causal_conv``)."""
 
     def __init__(self, width: int, taps: int, *, rngs: Rngs):
         self.weight = nnx.Param(normal(rngs, (width, 1, taps), taps**-0.5))
-
-    def __call__(self, x: Array, state: Array, lengths: Array | None = None) -> tuple[Array, Array]:
-        """x [B, T, F], state [B, W-1, F], lengths [B] real tokens per row -> (output [B, T, F] f32, new state)."""
-        return causal_conv(x, self.weight[...][:, 0], state, lengths)
 
 
 class KDA(nnx.Module):
@@ -91,9 +88,9 @@ class KDA(nnx.Module):
 
     def initial_state(self, batch: int) -> KDAState:
         width = self.num_heads * self.head_dim
-        conv = lambda: jnp.zeros((batch, self.q_conv1d.weight.shape[-1] - 1, width), jnp.float32)
+        conv = jnp.zeros((batch, self.q_conv1d.weight.shape[-1] - 1, 3 * width), jnp.float32)
         rec = jnp.zeros((batch, self.num_heads, self.head_dim, self.head_dim), jnp.float32)
-        return KDAState(conv(), conv(), conv(), rec)  # distinct buffers: the decode step donates them
+        return KDAState(conv, rec)
 
     def __call__(
         self, x: Array, state: KDAState | None = None, valid: Array | None = None
@@ -105,10 +102,10 @@ class KDA(nnx.Module):
         state = self.initial_state(B) if state is None else state
         lengths = None if valid is None else jnp.sum(valid, axis=1, dtype=jnp.int32)
         heads = lambda a: a.reshape(B, T, H, K)
-        q, cq = self.q_conv1d(self.q_proj(x), state.conv_q, lengths)
-        k, ck = self.k_conv1d(self.k_proj(x), state.conv_k, lengths)
-        v, cv = self.v_conv1d(self.v_proj(x), state.conv_v, lengths)
-        q, k, v = heads(jax.nn.silu(q)), heads(jax.nn.silu(k)), heads(jax.nn.silu(v))
+        qkv = jnp.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
+        taps = jnp.concatenate([c.weight[...][:, 0] for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])
+        qkv, conv = causal_conv(qkv, taps, state.conv, lengths)
+        q, k, v = (heads(a) for a in jnp.split(jax.nn.silu(qkv), 3, axis=-1))
         z = heads(self.f_b_proj(self.f_a_proj(x)))
         beta_logits = self.b_proj(x).astype(jnp.float32)
         a_log, dt_bias = self.A_log[...], self.dt_bias[...].reshape(H, K)
@@ -121,7 +118,7 @@ class KDA(nnx.Module):
             o, rec = self._gates_then_core(q, k, v, z, a_log, dt_bias, beta_logits, state.recurrent, valid)
         gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
         o = gated_rms_norm(o, heads(gate), self.o_norm.weight[...], self.eps).astype(x.dtype)
-        return self.o_proj(o.reshape(B, T, H * K)), KDAState(cq, ck, cv, rec)
+        return self.o_proj(o.reshape(B, T, H * K)), KDAState(conv, rec)
 
     def _gates_then_core(self, q, k, v, z, a_log, dt_bias, beta_logits, state, valid):
         """Norms and gates in plain JAX, then the plain (q, k, v, g, beta) contract."""
