@@ -20,8 +20,13 @@ with the same mask; D need not be a multiple of bk (column mask on the last chun
 weights may be bf16 or float32, independently.
 
 Tiles (``MatvecBlocks``): bn weight rows per program, bk columns per step, Triton's num_warps and
-num_stages. On GPU the kernel lowers through Pallas' Triton backend (chosen by passing Triton
-compiler params); on CPU it runs in interpret mode (``k3jax.implementation.pallas_interpret``).
+num_stages. Defaults from one H200 sweep at mini's shapes (benchmarks/RESULTS.md, issue 4): at
+M = 1, bn 8, bk 1024, 4 warps took 7.35 us for the KDA group (9.0 MB; XLA's einsums 7.98 us) and
+10.3 us for the MoE group (11.0 MB; XLA 9.03 us, bn 4 with 2 warps 9.17 us); bk 256 -> 1024 and
+bn 16 -> 4 each helped. At M = 8 the kernel is 1.5-2x slower than XLA (one row reduction per row of
+x a step): use it at M = 1 until a tensor-core path for M > 1 is measured. On GPU the kernel
+lowers through Pallas' Triton backend (chosen by passing Triton compiler params); on CPU it runs in
+interpret mode (``k3jax.implementation.pallas_interpret``).
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ class MatvecBlocks:
     mode)."""
 
     bn: int = 8
-    bk: int = 512
+    bk: int = 1024
     num_warps: int = 4
     num_stages: int = 3
 
