@@ -25,10 +25,11 @@ GROUPS = {
     "moe": [(64, F32), (1024, BF), (768, BF), (768, BF)],
 }
 D, SETS, ITERS = 2048, 8, 25
-VARIANTS = [MatvecBlocks(8, 512, 4, 3), MatvecBlocks(4, 512, 4, 3), MatvecBlocks(16, 512, 4, 3),
-            MatvecBlocks(8, 1024, 4, 3), MatvecBlocks(8, 256, 4, 3), MatvecBlocks(8, 512, 8, 3),
-            MatvecBlocks(16, 256, 8, 3), MatvecBlocks(4, 1024, 2, 3), MatvecBlocks(32, 128, 4, 3),
-            MatvecBlocks(8, 512, 4, 1)]
+VARIANTS = [MatvecBlocks(8, 1024, 4, 3), MatvecBlocks(4, 1024, 2, 3), MatvecBlocks(4, 512, 4, 3),
+            MatvecBlocks(8, 2048, 4, 3), MatvecBlocks(4, 2048, 4, 3), MatvecBlocks(4, 2048, 2, 3),
+            MatvecBlocks(8, 2048, 8, 3), MatvecBlocks(16, 512, 4, 3, dot=True),
+            MatvecBlocks(16, 1024, 4, 3, dot=True), MatvecBlocks(32, 512, 4, 3, dot=True),
+            MatvecBlocks(16, 2048, 8, 3, dot=True)]
 
 
 def out_dtypes(group):
@@ -104,8 +105,8 @@ for m in (1, 8):
 print(f"\nweights/call: kda {sum(n * D * (4 if d == F32 else 2) for n, d in GROUPS['kda']) / 1e6:.2f} MB, "
       f"moe {sum(n * D * (4 if d == F32 else 2) for n, d in GROUPS['moe']) / 1e6:.2f} MB; "
       f"{ITERS}x{SETS} calls per loop, median of 7; elapsed {time.perf_counter() - START:.0f} s")
-print(f"{'group':5} {'M':>2} {'variant':58} {'us/call':>8} {'TB/s':>6} {'vs xla':>6} {'rel err':>8} {'f32 err':>8}")
+print(f"{'group':5} {'M':>2} {'variant':68} {'us/call':>8} {'TB/s':>6} {'vs xla':>6} {'rel err':>8} {'f32 err':>8}")
 base = {(g, m): us for g, m, name, us, *_ in rows if name == "xla"}
 for g, m, name, us, tbs, err, f32_err, comp in rows:
-    print(f"{g:5} {m:2} {name.replace('MatvecBlocks', ''):58} {us:8.2f} {tbs:6.2f} "
+    print(f"{g:5} {m:2} {name.replace('MatvecBlocks', ''):68} {us:8.2f} {tbs:6.2f} "
           f"{base.get((g, m), float('nan')) / us:6.2f} {err:8.1e} {f32_err:8.1e}")

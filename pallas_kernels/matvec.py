@@ -13,6 +13,9 @@ Arithmetic: every product is float32(x) * float32(W), summed in float32 (per out
 [bn] accumulator per row of x that adds one chunk's row sums a step), rounded once to the output
 dtype: ``jnp.einsum`` at precision HIGHEST on float32 operands, up to summation order. The products
 run on the CUDA cores, not the matrix units: at M <= 16 the kernel is bound by reading the weights.
+``MatvecBlocks.dot`` (unmeasured) puts them on the matrix units instead: x's rows padded to 16 (masked
+loads, no copy) times a [bn >= 16, bk] weight tile, bf16 operands where x and W are both bf16 (their
+products are exact in float32), else float32 operands at precision HIGHEST; float32 accumulation.
 
 Ragged shapes: a weight of fewer rows than bn gets a block of next_power_of_2(N_i) rows (Triton
 blocks are powers of two); a last block that runs past N_i loads with a row mask (zeros) and stores
@@ -45,6 +48,7 @@ from k3jax.implementation import pallas_interpret
 from k3jax.typing import Array
 
 MAX_ROWS = 16
+DOT_ROWS = 16  # x's rows as the matrix units' operand (MAX_ROWS padded; Triton's dot needs >= 16)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
@@ -52,18 +56,22 @@ DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 class MatvecBlocks:
     """bn: weight rows per program (a power of two); bk: columns of D per loop step (a power of
     two); num_warps, num_stages: Triton launch and software-pipelining depth (ignored in interpret
-    mode)."""
+    mode); dot: products on the matrix units (x's rows padded to DOT_ROWS, bn >= 16) instead of one
+    row reduction per row of x (unmeasured)."""
 
     bn: int = 8
     bk: int = 1024
     num_warps: int = 4
     num_stages: int = 3
+    dot: bool = False
 
     def __post_init__(self):
         for name in ("bn", "bk"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"MatvecBlocks.{name} = {value}: must be a power of two")
+        if self.dot and min(self.bn, self.bk) < DOT_ROWS:
+            raise ValueError(f"MatvecBlocks.dot needs bn and bk >= {DOT_ROWS}, got {self.bn} and {self.bk}")
 
 
 class _Part(NamedTuple):
@@ -74,18 +82,19 @@ class _Part(NamedTuple):
     bn: int
 
 
-def _parts(rows: Sequence[int], bn: int) -> tuple[_Part, ...]:
-    """Program ranges for weights of the given row counts, in order."""
+def _parts(rows: Sequence[int], bn: int, min_bn: int) -> tuple[_Part, ...]:
+    """Program ranges for weights of the given row counts, in order: blocks of bn rows, or of the
+    next power of two above a smaller weight's rows (at least min_bn)."""
     parts, first = [], 0
     for n in rows:
-        block = min(bn, pl.next_power_of_2(n))
+        block = max(min(bn, pl.next_power_of_2(n)), min_bn)
         parts.append(_Part(first, pl.cdiv(n, block), block))
         first += parts[-1].blocks
     return tuple(parts)
 
 
 def _tile_mask(row_mask: Array | None, col_mask: Array | None, shape: tuple[int, int]) -> Array | None:
-    """[bn, bk] mask of the valid rows and columns, or None where all are valid."""
+    """[rows, cols] mask of the valid rows and columns, or None where all are valid."""
     if row_mask is None and col_mask is None:
         return None
     mask = jnp.ones(shape, bool)
@@ -96,34 +105,54 @@ def _tile_mask(row_mask: Array | None, col_mask: Array | None, shape: tuple[int,
     return mask
 
 
-def _block_product(x_ref, w_ref, o_ref, row0, *, bn: int, bk: int) -> None:
-    """o[:, row0:row0 + bn] = x @ w[row0:row0 + bn]^T in float32, rows past w's end masked."""
+def _load(ref, mask: Array | None) -> Array:
+    """ref's block, zeros where mask (if any) is False."""
+    return pltriton.load(ref, mask=mask, other=None if mask is None else 0)
+
+
+def _valid(start, size: int, bound: int) -> Array | None:
+    """[size] mask of start + i < bound, or None where bound is a multiple of size."""
+    return start + jax.lax.broadcasted_iota(jnp.int32, (size,), 0) < bound if bound % size else None
+
+
+def _block_product(x_ref, w_ref, o_ref, row0, *, bn: int, bk: int, dot: bool) -> None:
+    """o[:, row0:row0 + bn] = x @ w[row0:row0 + bn]^T in float32, rows past w's end masked.
+
+    Rows form: a float32 [bn] sum per row of x, each step adding the row sums of w * x_m. Dot form:
+    a [DOT_ROWS, bn] float32 accumulator from x (rows past M loaded as zeros) . w^T on the matrix
+    units, bf16 operands where both are bf16, else float32 at precision HIGHEST (exact products)."""
     m_rows, depth = x_ref.shape
-    n_rows = w_ref.shape[0]
-    row_ids = row0 + jax.lax.broadcasted_iota(jnp.int32, (bn,), 0)
-    row_mask = row_ids < n_rows if n_rows % bn else None
+    row_mask = _valid(row0, bn, w_ref.shape[0])
+    x_rows = DOT_ROWS if dot else 1
+    x_row_mask = _valid(0, DOT_ROWS, m_rows) if dot else None
 
-    def step(s, sums):
+    def step(s, acc):
         col0 = pl.multiple_of(s * bk, bk)
-        col_mask = col0 + jax.lax.broadcasted_iota(jnp.int32, (bk,), 0) < depth if depth % bk else None
-        tile_mask = _tile_mask(row_mask, col_mask, (bn, bk))
-        x_mask = None if col_mask is None else col_mask[None, :]
-        w = pltriton.load(w_ref.at[pl.ds(row0, bn), pl.ds(col0, bk)], mask=tile_mask,
-                          other=None if tile_mask is None else 0).astype(jnp.float32)
-        new = []
-        for m in range(m_rows):
-            xm = pltriton.load(x_ref.at[pl.ds(m, 1), pl.ds(col0, bk)], mask=x_mask,
-                               other=None if x_mask is None else 0).astype(jnp.float32)
-            new.append(sums[m] + jnp.sum(w * xm, axis=1))
-        return tuple(new)
+        col_mask = _valid(col0, bk, depth)
+        w = _load(w_ref.at[pl.ds(row0, bn), pl.ds(col0, bk)], _tile_mask(row_mask, col_mask, (bn, bk)))
+        x_mask = _tile_mask(x_row_mask, col_mask, (x_rows, bk))
+        if dot:
+            x = _load(x_ref.at[pl.ds(0, DOT_ROWS), pl.ds(col0, bk)], x_mask)
+            if not x.dtype == w.dtype == jnp.bfloat16:
+                x, w = x.astype(jnp.float32), w.astype(jnp.float32)
+            return acc + pltriton.dot(x, w, trans_b=True, precision=jax.lax.Precision.HIGHEST)
+        w = w.astype(jnp.float32)
+        return tuple(acc[m] + jnp.sum(w * _load(x_ref.at[pl.ds(m, 1), pl.ds(col0, bk)], x_mask).astype(jnp.float32),
+                                      axis=1)
+                     for m in range(m_rows))
 
-    sums = jax.lax.fori_loop(0, pl.cdiv(depth, bk), step, (jnp.zeros((bn,), jnp.float32),) * m_rows)
+    init = jnp.zeros((DOT_ROWS, bn), jnp.float32) if dot else (jnp.zeros((bn,), jnp.float32),) * m_rows
+    acc = jax.lax.fori_loop(0, pl.cdiv(depth, bk), step, init)
+    out_mask = None if row_mask is None else row_mask[None, :]
+    if dot:
+        pltriton.store(o_ref.at[pl.ds(0, DOT_ROWS), pl.ds(row0, bn)], acc.astype(o_ref.dtype),
+                       mask=_tile_mask(_valid(0, DOT_ROWS, m_rows), row_mask, (DOT_ROWS, bn)))
+        return
     for m in range(m_rows):
-        pltriton.store(o_ref.at[pl.ds(m, 1), pl.ds(row0, bn)], sums[m][None, :].astype(o_ref.dtype),
-                       mask=None if row_mask is None else row_mask[None, :])
+        pltriton.store(o_ref.at[pl.ds(m, 1), pl.ds(row0, bn)], acc[m][None, :].astype(o_ref.dtype), mask=out_mask)
 
 
-def _matvecs_kernel(x_ref, *refs, parts: tuple[_Part, ...], bk: int):
+def _matvecs_kernel(x_ref, *refs, parts: tuple[_Part, ...], bk: int, dot: bool):
     """Refs: x [M, D], the weights [N_i, D], then the outputs [M, N_i] (whole arrays)."""
     w_refs, o_refs = refs[:len(parts)], refs[len(parts):]
     program = pl.program_id(0)
@@ -131,18 +160,19 @@ def _matvecs_kernel(x_ref, *refs, parts: tuple[_Part, ...], bk: int):
         @pl.when((program >= part.first) & (program < part.first + part.blocks))
         def _(w_ref=w_ref, o_ref=o_ref, part=part):
             row0 = pl.multiple_of((program - part.first) * part.bn, part.bn)
-            _block_product(x_ref, w_ref, o_ref, row0, bn=part.bn, bk=bk)
+            _block_product(x_ref, w_ref, o_ref, row0, bn=part.bn, bk=bk, dot=dot)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtypes", "blocks", "interpret"))
 def _matvecs(x, weights, *, out_dtypes, blocks: MatvecBlocks, interpret: bool):
     m_rows, depth = x.shape
-    parts = _parts([w.shape[0] for w in weights], blocks.bn)
-    bk = min(blocks.bk, pl.next_power_of_2(depth))
+    min_bn = DOT_ROWS if blocks.dot else 1
+    parts = _parts([w.shape[0] for w in weights], blocks.bn, min_bn)
+    bk = max(min(blocks.bk, pl.next_power_of_2(depth)), min_bn)
     params = None if interpret else pltriton.CompilerParams(num_warps=blocks.num_warps,
                                                              num_stages=blocks.num_stages)
     return pl.pallas_call(
-        functools.partial(_matvecs_kernel, parts=parts, bk=bk),
+        functools.partial(_matvecs_kernel, parts=parts, bk=bk, dot=blocks.dot),
         out_shape=tuple(jax.ShapeDtypeStruct((m_rows, w.shape[0]), d) for w, d in zip(weights, out_dtypes)),
         grid=(parts[-1].first + parts[-1].blocks,),
         compiler_params=params,

@@ -8,8 +8,9 @@ import pytest
 
 from pallas_kernels.matvec import MAX_ROWS, MatvecBlocks, matvecs
 
-# bn = 8, bk = 64: N = 5 is below the block, 20 and 13 are not multiples of it, D = 200 not of bk.
-BLOCKS = MatvecBlocks(bn=8, bk=64)
+# bn = 8 (16 in the dot form), bk = 64: N = 5 is below the block, 20 and 13 are not multiples of
+# it, D = 200 not of bk.
+ROWS, DOT = MatvecBlocks(bn=8, bk=64), MatvecBlocks(bn=16, bk=64, dot=True)
 WEIGHTS = [(5, jnp.bfloat16), (20, jnp.float32), (16, jnp.bfloat16), (13, jnp.float32)]
 OUT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float32, jnp.float32)
 
@@ -19,13 +20,14 @@ def _reference(x, w, dtype):
     return jnp.einsum("md,nd->mn", x.astype(f32), w.astype(f32), precision=jax.lax.Precision.HIGHEST).astype(dtype)
 
 
-@pytest.mark.parametrize("m,x_dtype", [(1, jnp.bfloat16), (3, jnp.float32)])
-def test_matches_einsum_on_random_data(m, x_dtype):
+@pytest.mark.parametrize("m,x_dtype,blocks", [(1, jnp.bfloat16, ROWS), (3, jnp.float32, ROWS),
+                                              (3, jnp.bfloat16, DOT)])
+def test_matches_einsum_on_random_data(m, x_dtype, blocks):
     depth = 200
     keys = jax.random.split(jax.random.key(m), len(WEIGHTS) + 1)
     x = jax.random.normal(keys[0], (m, depth), jnp.float32).astype(x_dtype)
     weights = [jax.random.normal(k, (n, depth), jnp.float32).astype(d) for k, (n, d) in zip(keys[1:], WEIGHTS)]
-    outs = matvecs(x, weights, OUT_DTYPES, blocks=BLOCKS)
+    outs = matvecs(x, weights, OUT_DTYPES, blocks=blocks)
     for out, w, dtype in zip(outs, weights, OUT_DTYPES):
         ref = _reference(x, w, dtype)
         assert out.shape == ref.shape and out.dtype == ref.dtype
@@ -33,11 +35,12 @@ def test_matches_einsum_on_random_data(m, x_dtype):
         np.testing.assert_allclose(np.float32(out), np.float32(ref), rtol=tolerance, atol=tolerance)
 
 
-def test_lowers_for_cuda_through_triton():
+@pytest.mark.parametrize("blocks", [MatvecBlocks(), MatvecBlocks(bn=16, dot=True)])
+def test_lowers_for_cuda_through_triton(blocks):
     """Pallas' Triton lowering of the kernel (masked row and column tiles, two dtypes), on the CPU."""
     args = [jax.ShapeDtypeStruct(s, d) for s, d in
             [((3, 2000), jnp.bfloat16), ((100, 2000), jnp.float32), ((16, 2000), jnp.bfloat16)]]
-    fn = lambda x, *w: matvecs(x, w, (jnp.float32, jnp.bfloat16), interpret=False)
+    fn = lambda x, *w: matvecs(x, w, (jnp.float32, jnp.bfloat16), blocks=blocks, interpret=False)
     assert "xla.gpu.triton" in jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -56,3 +59,5 @@ def test_bad_inputs_are_refused():
         matvecs(x, [])
     with pytest.raises(ValueError, match="power of two"):
         MatvecBlocks(bn=12)
+    with pytest.raises(ValueError, match="bn and bk >= 16"):
+        MatvecBlocks(bn=8, dot=True)
