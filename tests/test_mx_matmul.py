@@ -191,6 +191,20 @@ def test_mosaic_k_permutation_is_a_permutation():
         assert sorted(k_permutation(bk).tolist()) == list(range(bk))
 
 
+def test_mosaic_decode_twin_bit_exact():
+    """The register decode's jnp twin against XLA's decode, bit for bit: every code byte, every finite
+    scale byte (0..254), columns in the k_permutation order."""
+    from pallas_kernels.mx_matmul.mosaic_gpu import ROWS, _decode_emulated, k_permutation
+
+    bk = 256
+    codes = jax.random.permutation(jax.random.key(45), jnp.tile(jnp.arange(256, dtype=jnp.uint8), ROWS * bk // 512))
+    scales = jnp.arange(ROWS * bk // 32, dtype=jnp.int32).reshape(ROWS, bk // 32) % 255
+    w = MXTensor(codes.reshape(ROWS, bk // 2), scales.astype(jnp.uint8), "mxfp4")
+    out = _decode_emulated(w.codes, w.scales, bk)
+    ref = w.decode(jnp.bfloat16)[:, k_permutation(bk)]
+    np.testing.assert_array_equal(np.asarray(out).view(np.uint16), np.asarray(ref).view(np.uint16))
+
+
 @pytest.mark.parametrize("blocks,m,n,k", [(MOSAIC_128, 1, 96, 160), (MOSAIC_256, 13, 200, 544)])
 def test_mosaic_gpu_matches_reference(blocks, m, n, k):
     """N not a multiple of 64, K not of bk (padded); 13 rows padded to wgmma's 16."""
@@ -224,12 +238,12 @@ def test_mosaic_gpu_lowers_for_cuda():
 
 
 # The unmeasured options of MosaicBlocks (README): K = 544 gives 5 / 3 steps at bk = 128 / 256, so the
-# two-stage pipelines refill slots (and, with wgmma_in_flight, refill the previous step's slot).
+# two-stage pipelines refill slots.
 MOSAIC_OPTIONS = [
-    (dict(bk=128, stages=2, wgmma_in_flight=1, out_mn=True), 1, 96),
+    (dict(bk=128, stages=2, out_mn=True), 1, 96),
     (dict(bk=128, stages=2, x_in_kernel=True), 13, 200),
-    (dict(bk=256, stages=2, warpgroups=2, wgmma_in_flight=1), 13, 200),
-    (dict(bk=128, stages=3, warpgroups=2, out_mn=True, wgmma_in_flight=1), 7, 300),
+    (dict(bk=256, stages=2, warpgroups=2), 13, 200),
+    (dict(bk=128, stages=3, warpgroups=2, out_mn=True), 7, 300),
 ]
 
 
@@ -270,6 +284,6 @@ def test_mosaic_gpu_options_lower_for_cuda():
 def test_mosaic_blocks_reject_bad_options():
     from pallas_kernels.mx_matmul.mosaic_gpu import MosaicBlocks
 
-    for bad in [dict(warpgroups=5), dict(stages=1, wgmma_in_flight=1), dict(warpgroups=2, x_in_kernel=True)]:
+    for bad in [dict(warpgroups=5), dict(stages=0), dict(warpgroups=2, x_in_kernel=True)]:
         with pytest.raises(ValueError):
             MosaicBlocks(**bad)

@@ -50,7 +50,6 @@ from pallas_kernels.mx_matmul.kernel import (
     _BF16X2_2_POW_126,
     _BF16X2_NEG_ZERO,
     _MAGNITUDE_MASK,
-    _SIGN_MASK,
     _times_bias_and_scale,
 )
 from pallas_kernels.mx_matmul.ops import _pad_axis
@@ -70,8 +69,6 @@ class MosaicBlocks:
     warpgroups: warpgroups per program (1-4), each over its own 64 weight rows; one TMA copy of the
       codes and one of the x tile per step serve them all (issued by warpgroup 0, which refills a
       slot once every warpgroup has arrived on the slot's "consumed" barrier).
-    wgmma_in_flight: 0 waits for each step's wgmma before the next step; 1 keeps one in flight
-      (``wgmma_wait(1)``) and refills the previous step's slot instead (needs stages >= 2).
     out_mn: the kernel writes out [M, N] itself (each thread stores its accumulator values
       transposed into a shared [Mp, 64] tile, TMA copies its first M rows), so no XLA slice and
       transpose follow it.
@@ -83,7 +80,6 @@ class MosaicBlocks:
     bk: int = 128
     stages: int = 4
     warpgroups: int = 1
-    wgmma_in_flight: int = 0
     out_mn: bool = False
     x_in_kernel: bool = False
 
@@ -92,8 +88,6 @@ class MosaicBlocks:
             raise ValueError(f"bk must be 128 or 256 and stages >= 1, got {self}")
         if not 1 <= self.warpgroups <= _TMA_MAX_BOX // ROWS:
             raise ValueError(f"warpgroups must be 1..{_TMA_MAX_BOX // ROWS}, got {self}")
-        if self.wgmma_in_flight not in (0, 1) or self.stages <= self.wgmma_in_flight:
-            raise ValueError(f"wgmma_in_flight must be 0 or 1 and below stages, got {self}")
         if self.x_in_kernel and self.warpgroups > 1:
             raise ValueError(f"x_in_kernel takes one warpgroup per program, got {self}")
 
@@ -120,6 +114,24 @@ def _scale_bf16_bits(s):
     return jnp.where(s == 255, jnp.uint32(0x7FC0), bits)
 
 
+_SIGN_BITS = (0x80808080, 0x08080808)  # the sign bits of a word's odd / even nibbles
+_MERGE = 0xE4  # lop3 table of (a & c) | (b & ~c)
+
+
+def _output_steps(j: int) -> tuple[int, int, int]:
+    """How output j of a word (nibbles 3 - j and 7 - j) is made: (magnitude shift, sign source mask,
+    sign shift), shifts to the left (negative: to the right). The magnitude bits 12-14 - 4 j of each half
+    go to bits 6-8; the sign bits 15 - 4 j go to bit 15, taken from the sign bits of the nibbles of
+    that parity only, so that after the shift the sign word has bits only at 15 and 31 or in the
+    magnitude field (7, 23), which the merge takes from the magnitude word."""
+    return 4 * j - 6, _SIGN_BITS[j % 2], 4 * j
+
+
+def _shift(x, n: int):
+    """uint32 x shifted left by n (negative: logically right by -n), bits past 32 dropped."""
+    return x << n if n >= 0 else x >> -n
+
+
 def _decode_emulated(codes: Array, scales: Array, bk: int) -> Array:
     """jnp twin of ``_decode_registers`` for interpret mode: uint8 codes [64, bk/2], scales
     [64, bk/32] -> bf16 [64, bk] with column p holding k = k_permutation(bk)[p]."""
@@ -127,37 +139,44 @@ def _decode_emulated(codes: Array, scales: Array, bk: int) -> Array:
     words = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)  # [64, bk/8]
     chunk, word, j, v = _slot_sources(jax.lax.iota(jnp.int32, bk), bk)  # iota: no captured constants
     w = words[:, 4 * chunk + word]  # [64, bk]: the word of each column
-    t = w << (4 * j).astype(jnp.uint32)
-    raw = (t & jnp.uint32(_SIGN_MASK)) | ((t >> 6) & jnp.uint32(_MAGNITUDE_MASK))
+    outputs = []
+    for jj in range(4):
+        magnitude_shift, sign_bits, sign_shift = _output_steps(jj)
+        a, s = _shift(w, magnitude_shift), _shift(w & jnp.uint32(sign_bits), sign_shift)
+        outputs.append((a & jnp.uint32(_MAGNITUDE_MASK)) | (s & ~jnp.uint32(_MAGNITUDE_MASK)))
+    raw = jnp.select([j == jj for jj in range(4)], outputs)
     half = jnp.where(v == 1, raw >> 16, raw & 0xFFFF)
     scale = scales[:, chunk].astype(jnp.uint32)
     return _times_bias_and_scale(half, jax.lax.bitcast_convert_type(
         _scale_bf16_bits(scale).astype(jnp.uint16), _BF16))
 
 
+def _ptx_shift(dst: str, src: str, n: int) -> str:
+    return f"shl.b32 {dst}, {src}, {n};" if n >= 0 else f"shr.b32 {dst}, {src}, {-n};"
+
+
 def _decode_asm(one_multiply: bool) -> str:
     """Inline PTX of one code word: outputs $0-$3 the bf16x2 registers of outputs j = 0..3, inputs
     $4 the word and $5 the factor as bf16x2: the block scale (two multiplies: by 2**126, then by
-    the scale) or, with one_multiply, 2**126 times the scale (exact in bf16 for scale bytes <= 128)."""
-    lines = ["{", ".reg .b32 w, sc, t, m, s, bias, nz;", "mov.b32 w, $4;", "mov.b32 sc, $5;",
+    the scale) or, with one_multiply, 2**126 times the scale (exact in bf16 for scale bytes <= 128).
+    Per output (``_output_steps``): one shift of the word for the magnitudes, one of the masked sign
+    bits (none for j = 0), one lop3 merge and the multiplies; the two sign masks once per word."""
+    lines = ["{", ".reg .b32 w, sc, a, s, bias, nz, sign0, sign1;", "mov.b32 w, $4;", "mov.b32 sc, $5;",
              f"mov.b32 bias, {_BF16X2_2_POW_126:#x};", f"mov.b32 nz, {_BF16X2_NEG_ZERO:#x};"]
+    lines += [f"and.b32 sign{p}, w, {bits:#x};" for p, bits in enumerate(_SIGN_BITS)]
     for j in range(4):
-        lines += [
-            f"shl.b32 t, w, {4 * j};",
-            "shr.b32 m, t, 6;",
-            f"and.b32 m, m, {_MAGNITUDE_MASK:#x};",
-            f"and.b32 s, t, {_SIGN_MASK:#x};",
-            "or.b32 m, m, s;",
-        ]
-        lines += [] if one_multiply else ["fma.rn.bf16x2 m, m, bias, nz;"]
-        lines += [f"fma.rn.bf16x2 ${j}, m, sc, nz;"]
+        magnitude_shift, _, sign_shift = _output_steps(j)
+        lines += [_ptx_shift("a", "w", magnitude_shift), _ptx_shift("s", f"sign{j % 2}", sign_shift),
+                  f"lop3.b32 a, a, s, {_MAGNITUDE_MASK:#x}, {_MERGE:#x};"]
+        lines += [] if one_multiply else ["fma.rn.bf16x2 a, a, bias, nz;"]
+        lines += [f"fma.rn.bf16x2 ${j}, a, sc, nz;"]
     return "\n".join(lines + ["}"])
 
 
 # Warp vote: $0 = 1 if any lane's $1 is nonzero (uniform over the warp, so a branch on it is too).
 _ANY_IN_WARP = ("{ .reg .pred p, q; setp.ne.u32 p, $1, 0; vote.sync.any.pred q, p, 0xffffffff; "
                 "selp.u32 $0, 1, 0, q; }")
-_ONE_MULTIPLY_MAX_SCALE = 128  # 2**126 * 2**(s - 127) = 2**(s - 1) is a finite bf16 up to here
+_ONE_MULTIPLY_MAX_SCALE = 128  # 2**126 * 2**(s - 127) = 2**(s - 1) is a finite bf16 up to here (255 is NaN)
 
 
 def _decode_registers(bk: int):
@@ -200,8 +219,7 @@ def _decode_registers(bk: int):
                 s = arith.extui(i32, memref.load(scales_ref, [arith.index_cast(index, row),
                                                               arith.index_cast(index, chunk)]))
                 loads.append((16 * a, h, llvm.load(words_ty, ptr, alignment=16), s))
-                over = arith.andi(arith.cmpi(arith.CmpIPredicate.ugt, s, c(_ONE_MULTIPLY_MAX_SCALE)),
-                                  arith.cmpi(arith.CmpIPredicate.ne, s, c(255)))
+                over = arith.cmpi(arith.CmpIPredicate.ugt, s, c(_ONE_MULTIPLY_MAX_SCALE))  # 255 too
                 big = arith.ori(big, arith.extui(i32, over))
 
         def decoded(one_multiply: bool) -> list:
@@ -209,13 +227,13 @@ def _decode_registers(bk: int):
             asm = _decode_asm(one_multiply)
             regs = []
             for _, _, words, s in loads:
-                if one_multiply:  # 2**(s - 1), NaN for byte 255
-                    bits = arith.select(eq(s, 255), c(0x7FC0), arith.shli(arith.addi(s, c(126)), c(7)))
+                if one_multiply:  # 2**(s - 1) in both halves, s <= 128: ((s + 126) << 7) * 0x10001
+                    factor = arith.addi(arith.muli(s, c(0x00800080)), c(0x3F003F00))
                 else:  # 2**(s - 127): byte 0 the subnormal 2**-127, 255 NaN
                     bits = arith.select(eq(s, 0), c(0x40), arith.shli(s, c(7)))
-                    bits = arith.select(eq(s, 255), c(0x7FC0), bits)
+                    factor = x2(arith.select(eq(s, 255), c(0x7FC0), bits))
                 for word in range(4):
-                    out = llvm.inline_asm(struct_ty, [llvm.extractelement(words, c(word)), x2(bits)],
+                    out = llvm.inline_asm(struct_ty, [llvm.extractelement(words, c(word)), factor],
                                           asm, "=r,=r,=r,=r,r,r")
                     regs += [llvm.extractvalue(i32, out, [j]) for j in range(4)]
             return regs
@@ -324,7 +342,7 @@ def _kernel(codes_g, scales_g, x_g, out_g, codes_s, scales_s, x_s, out_s, bars, 
             n_steps: int, m: int, blocks: MosaicBlocks, interpret: bool):
     """One program: ``blocks.warpgroups`` x 64 weight rows; extra holds the raw x tiles [stages, m,
     bk] (x_in_kernel) and then the slots' consumed barriers (warpgroups > 1)."""
-    bk, stages, wgs, in_flight = blocks.bk, blocks.stages, blocks.warpgroups, blocks.wgmma_in_flight
+    bk, stages, wgs = blocks.bk, blocks.stages, blocks.warpgroups
     x_raw_s = extra[0] if blocks.x_in_kernel else None
     consumed = extra[-1] if wgs > 1 else None
     program_row0 = jax.lax.axis_index("rows") * (wgs * ROWS)
@@ -390,21 +408,12 @@ def _kernel(codes_g, scales_g, x_g, out_g, codes_s, scales_s, x_s, out_s, bars, 
                     plgpu.barrier_wait(consumed.at[slot])
                     fetch(step + stages, slot)
 
-    def release_after(step, slot):
-        """Release what the finished wgmma read: this step's slot, or the previous step's."""
-        if in_flight == 0:
-            release(step, slot)
-        else:
-            @pl.when(step > 0)
-            def _():
-                release(step - 1, jax.lax.rem(step - 1 + stages, stages))
-
     if interpret:
         def step_fn(step, acc):
             slot = jax.lax.rem(step, stages)
             w, x = tiles(step, slot)
             acc = acc + jnp.dot(w, x.T, preferred_element_type=_F32)
-            release_after(step, slot)
+            release(step, slot)
             return acc
 
         acc = jax.lax.fori_loop(0, n_steps, step_fn, jnp.zeros((ROWS, x_s.shape[1]), _F32))
@@ -414,13 +423,11 @@ def _kernel(codes_g, scales_g, x_g, out_g, codes_s, scales_s, x_s, out_s, bars, 
                 slot = jax.lax.rem(step, stages)
                 w, _ = tiles(step, slot)
                 plgpu.wgmma(acc_ref, w, plgpu.transpose_ref(x_s.at[slot], (1, 0)))
-                plgpu.wgmma_wait(in_flight)
-                release_after(step, slot)
+                plgpu.wgmma_wait(0)  # the A registers are rewritten by the next step's decode
+                release(step, slot)
                 return ()
 
             jax.lax.fori_loop(0, n_steps, step_fn, ())
-            if in_flight:
-                plgpu.wgmma_wait(0)
             return acc_ref[...]
 
         acc = pl.run_scoped(accumulate, plgpu.ACC((ROWS, x_s.shape[1]), _F32))
