@@ -6,7 +6,8 @@
 "reference" (the default) is float32-accurate pure JAX and runs everywhere. "pallas" routes the ops
 that have kernels (chunked KDA, MX matmuls) to ``pallas_kernels``; on a CPU those kernels run in
 Pallas interpret mode, which is how CI checks them. The switch is read at trace time, so a function
-jitted under one setting keeps it.
+jitted under one setting keeps it; and since ``jax.jit`` caches traces by function, jitting the same
+function again under another setting reuses the old trace too: jit a fresh function per setting.
 """
 
 from __future__ import annotations

@@ -66,9 +66,9 @@ class DecoderLayer(nnx.Module):
         """Attention of the normed input; with a cache (``ctx`` given) it continues the sequence."""
         kda = isinstance(self.self_attn, KDA)
         with jax.named_scope("kda" if kda else "mla"):  # names the kernels in profiles
-            x = self.input_layernorm(h)
             if kda:
-                return self.self_attn(x, cache, None if ctx is None else ctx.valid)
+                return self.self_attn(h, cache, None if ctx is None else ctx.valid, norm=self.input_layernorm)
+            x = self.input_layernorm(h)
             if ctx is None:
                 return self.self_attn(x), None
             return self.self_attn.extend(x, cache, ctx.start, ctx.window)
@@ -76,8 +76,8 @@ class DecoderLayer(nnx.Module):
     def ffn(self, h: Array) -> Array:
         moe = hasattr(self, "block_sparse_moe")
         with jax.named_scope("moe" if moe else "mlp"):
-            h = self.post_attention_layernorm(h)
-            return self.block_sparse_moe(h) if moe else self.mlp(h)
+            ffn = self.block_sparse_moe if moe else self.mlp
+            return ffn(h, norm=self.post_attention_layernorm)
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
         """KDA: conv inputs and the float32 state; MLA: the latent cache of max_len positions."""

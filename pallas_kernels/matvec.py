@@ -115,31 +115,61 @@ def _valid(start, size: int, bound: int) -> Array | None:
     return start + jax.lax.broadcasted_iota(jnp.int32, (size,), 0) < bound if bound % size else None
 
 
-def _block_product(x_ref, w_ref, o_ref, row0, *, bn: int, bk: int, dot: bool) -> None:
-    """o[:, row0:row0 + bn] = x @ w[row0:row0 + bn]^T in float32, rows past w's end masked.
+def _x_tiles(x_ref, norm_ref, eps: float | None, rows: int, bk: int, firsts) -> "callable":
+    """x_at(row0, col0) -> x [rows, bk] at those rows and columns (zeros past x's ends), for row0 in
+    ``firsts``. With norm_ref [1, D]: RMS-normed, float32 x * rsqrt(mean(x^2) + eps) * weight rounded
+    to x's dtype (``k3jax.functional.norms.rms_norm``); each row's inverse RMS comes from a pass
+    over x made here, before the caller's loop (x is small: M x D)."""
+    m_rows, depth = x_ref.shape
+    f32 = jnp.float32
+
+    def raw(row0, col0):
+        mask = _tile_mask(_valid(row0, rows, m_rows) if rows > 1 else None, _valid(col0, bk, depth), (rows, bk))
+        return _load(x_ref.at[pl.ds(row0, rows), pl.ds(col0, bk)], mask)
+
+    if norm_ref is None:
+        return raw
+
+    def inverse_rms(row0):
+        def squares(s, total):
+            x = raw(row0, pl.multiple_of(s * bk, bk)).astype(f32)
+            return total + jnp.sum(x * x, axis=1, keepdims=True)
+
+        total = jax.lax.fori_loop(0, pl.cdiv(depth, bk), squares, jnp.zeros((rows, 1), f32))
+        return jax.lax.rsqrt(total / depth + eps)
+
+    inverse = {row0: inverse_rms(row0) for row0 in firsts}
+
+    def x_at(row0, col0):
+        x = raw(row0, col0)
+        weight = _load(norm_ref.at[:, pl.ds(col0, bk)], _tile_mask(None, _valid(col0, bk, depth), (1, bk)))
+        return (x.astype(f32) * inverse[row0] * weight.astype(f32)).astype(x.dtype)
+
+    return x_at
+
+
+def _block_product(x_ref, norm_ref, w_ref, o_ref, row0, *, bn: int, bk: int, dot: bool, eps: float | None) -> None:
+    """o[:, row0:row0 + bn] = x @ w[row0:row0 + bn]^T in float32, rows past w's end masked (x
+    RMS-normed first with norm_ref, when given).
 
     Rows form: a float32 [bn] sum per row of x, each step adding the row sums of w * x_m. Dot form:
     a [DOT_ROWS, bn] float32 accumulator from x (rows past M loaded as zeros) . w^T on the matrix
     units, bf16 operands where both are bf16, else float32 at precision HIGHEST (exact products)."""
     m_rows, depth = x_ref.shape
     row_mask = _valid(row0, bn, w_ref.shape[0])
-    x_rows = DOT_ROWS if dot else 1
-    x_row_mask = _valid(0, DOT_ROWS, m_rows) if dot else None
+    x_at = _x_tiles(x_ref, norm_ref, eps, DOT_ROWS if dot else 1, bk, [0] if dot else range(m_rows))
 
     def step(s, acc):
         col0 = pl.multiple_of(s * bk, bk)
         col_mask = _valid(col0, bk, depth)
         w = _load(w_ref.at[pl.ds(row0, bn), pl.ds(col0, bk)], _tile_mask(row_mask, col_mask, (bn, bk)))
-        x_mask = _tile_mask(x_row_mask, col_mask, (x_rows, bk))
         if dot:
-            x = _load(x_ref.at[pl.ds(0, DOT_ROWS), pl.ds(col0, bk)], x_mask)
+            x = x_at(0, col0)
             if not x.dtype == w.dtype == jnp.bfloat16:
                 x, w = x.astype(jnp.float32), w.astype(jnp.float32)
             return acc + pltriton.dot(x, w, trans_b=True, precision=jax.lax.Precision.HIGHEST)
         w = w.astype(jnp.float32)
-        return tuple(acc[m] + jnp.sum(w * _load(x_ref.at[pl.ds(m, 1), pl.ds(col0, bk)], x_mask).astype(jnp.float32),
-                                      axis=1)
-                     for m in range(m_rows))
+        return tuple(acc[m] + jnp.sum(w * x_at(m, col0).astype(jnp.float32), axis=1) for m in range(m_rows))
 
     init = jnp.zeros((DOT_ROWS, bn), jnp.float32) if dot else (jnp.zeros((bn,), jnp.float32),) * m_rows
     acc = jax.lax.fori_loop(0, pl.cdiv(depth, bk), step, init)
@@ -152,19 +182,21 @@ def _block_product(x_ref, w_ref, o_ref, row0, *, bn: int, bk: int, dot: bool) ->
         pltriton.store(o_ref.at[pl.ds(m, 1), pl.ds(row0, bn)], acc[m][None, :].astype(o_ref.dtype), mask=out_mask)
 
 
-def _matvecs_kernel(x_ref, *refs, parts: tuple[_Part, ...], bk: int, dot: bool):
-    """Refs: x [M, D], the weights [N_i, D], then the outputs [M, N_i] (whole arrays)."""
+def _matvecs_kernel(x_ref, *refs, parts: tuple[_Part, ...], bk: int, dot: bool, eps: float | None):
+    """Refs: x [M, D], the RMSNorm weight [1, D] (when eps is given), the weights [N_i, D], then the
+    outputs [M, N_i] (whole arrays)."""
+    norm_ref, refs = (refs[0], refs[1:]) if eps is not None else (None, refs)
     w_refs, o_refs = refs[:len(parts)], refs[len(parts):]
     program = pl.program_id(0)
     for w_ref, o_ref, part in zip(w_refs, o_refs, parts):
         @pl.when((program >= part.first) & (program < part.first + part.blocks))
         def _(w_ref=w_ref, o_ref=o_ref, part=part):
             row0 = pl.multiple_of((program - part.first) * part.bn, part.bn)
-            _block_product(x_ref, w_ref, o_ref, row0, bn=part.bn, bk=bk, dot=dot)
+            _block_product(x_ref, norm_ref, w_ref, o_ref, row0, bn=part.bn, bk=bk, dot=dot, eps=eps)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtypes", "blocks", "interpret"))
-def _matvecs(x, weights, *, out_dtypes, blocks: MatvecBlocks, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("out_dtypes", "eps", "blocks", "interpret"))
+def _matvecs(x, norm_weight, weights, *, out_dtypes, eps, blocks: MatvecBlocks, interpret: bool):
     m_rows, depth = x.shape
     min_bn = DOT_ROWS if blocks.dot else 1
     parts = _parts([w.shape[0] for w in weights], blocks.bn, min_bn)
@@ -172,21 +204,23 @@ def _matvecs(x, weights, *, out_dtypes, blocks: MatvecBlocks, interpret: bool):
     params = None if interpret else pltriton.CompilerParams(num_warps=blocks.num_warps,
                                                              num_stages=blocks.num_stages)
     return pl.pallas_call(
-        functools.partial(_matvecs_kernel, parts=parts, bk=bk, dot=blocks.dot),
+        functools.partial(_matvecs_kernel, parts=parts, bk=bk, dot=blocks.dot, eps=eps),
         out_shape=tuple(jax.ShapeDtypeStruct((m_rows, w.shape[0]), d) for w, d in zip(weights, out_dtypes)),
         grid=(parts[-1].first + parts[-1].blocks,),
         compiler_params=params,
         interpret=interpret,
         name="matvecs",
-    )(x, *weights)
+    )(x, *([] if eps is None else [norm_weight.reshape(1, depth)]), *weights)
 
 
 def matvecs(x: Array, weights: Sequence[Array], out_dtypes: Sequence | None = None, *,
-            blocks: MatvecBlocks = MatvecBlocks(), interpret: bool | None = None) -> tuple[Array, ...]:
+            norm: tuple[Array, float] | None = None, blocks: MatvecBlocks = MatvecBlocks(),
+            interpret: bool | None = None) -> tuple[Array, ...]:
     """x [M, D] (M <= MAX_ROWS), weights [N_i, D] -> (x @ W_i^T [M, N_i] in out_dtypes[i], ...).
 
     bf16 or float32 operands; float32 products and sums, one rounding to the output dtype (default
-    x.dtype). One kernel for all the weights."""
+    x.dtype). One kernel for all the weights. ``norm`` = (weight [D], eps): x is RMS-normed first,
+    inside the kernel, exactly as ``k3jax.functional.norms.rms_norm`` (float32, rounded to x.dtype)."""
     weights = tuple(weights)
     if x.ndim != 2 or not 1 <= x.shape[0] <= MAX_ROWS:
         raise ValueError(f"x must be [M, D] with 1 <= M <= {MAX_ROWS}, got shape {x.shape}")
@@ -201,9 +235,13 @@ def matvecs(x: Array, weights: Sequence[Array], out_dtypes: Sequence | None = No
     out_dtypes = (x.dtype,) * len(weights) if out_dtypes is None else tuple(out_dtypes)
     if len(out_dtypes) != len(weights):
         raise ValueError(f"{len(out_dtypes)} out_dtypes for {len(weights)} weights")
+    norm_weight, eps = (None, None) if norm is None else (norm[0], float(norm[1]))
+    if norm_weight is not None and (norm_weight.shape != (x.shape[1],) or jnp.dtype(norm_weight.dtype) not in DTYPES):
+        raise ValueError(f"norm weight must be [D] = [{x.shape[1]}] bf16 or float32, got {norm_weight.shape} "
+                         f"{norm_weight.dtype}")
     interpret = pallas_interpret() if interpret is None else interpret
-    return _matvecs(x, weights, out_dtypes=tuple(jnp.dtype(d) for d in out_dtypes), blocks=blocks,
-                    interpret=interpret)
+    return _matvecs(x, norm_weight, weights, out_dtypes=tuple(jnp.dtype(d) for d in out_dtypes), eps=eps,
+                    blocks=blocks, interpret=interpret)
 
 
 __all__ = ["MAX_ROWS", "MatvecBlocks", "matvecs"]

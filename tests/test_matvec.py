@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from k3jax.functional.norms import rms_norm
 from pallas_kernels.matvec import MAX_ROWS, MatvecBlocks, matvecs
 
 # bn = 8 (16 in the dot form), bk = 64: N = 5 is below the block, 20 and 13 are not multiples of
@@ -35,12 +36,32 @@ def test_matches_einsum_on_random_data(m, x_dtype, blocks):
         np.testing.assert_allclose(np.float32(out), np.float32(ref), rtol=tolerance, atol=tolerance)
 
 
-@pytest.mark.parametrize("blocks", [MatvecBlocks(), MatvecBlocks(bn=16, dot=True)])
-def test_lowers_for_cuda_through_triton(blocks):
-    """Pallas' Triton lowering of the kernel (masked row and column tiles, two dtypes), on the CPU."""
+@pytest.mark.parametrize("m,blocks", [(1, ROWS), (3, DOT)])
+def test_rms_norm_inside_matches_norm_then_einsum(m, blocks):
+    """``norm``: x RMS-normed in the kernel (two bf16 rows of very different scale) against
+    ``rms_norm`` then the einsums."""
+    depth, eps = 200, 1e-5
+    keys = jax.random.split(jax.random.key(10 + m), len(WEIGHTS) + 2)
+    x = jax.random.normal(keys[0], (m, depth), jnp.float32) * jnp.array([30.0, 0.01, 1.0])[:m, None]
+    x = x.astype(jnp.bfloat16)
+    norm_weight = (1.0 + 0.1 * jax.random.normal(keys[1], (depth,))).astype(jnp.bfloat16)
+    weights = [jax.random.normal(k, (n, depth), jnp.float32).astype(d) for k, (n, d) in zip(keys[2:], WEIGHTS)]
+    outs = matvecs(x, weights, OUT_DTYPES, norm=(norm_weight, eps), blocks=blocks)
+    normed = rms_norm(x, norm_weight, eps)
+    for out, w, dtype in zip(outs, weights, OUT_DTYPES):
+        tolerance = 1e-5 if dtype == jnp.float32 else 1e-2
+        np.testing.assert_allclose(np.float32(out), np.float32(_reference(normed, w, dtype)), rtol=tolerance,
+                                   atol=tolerance)
+
+
+@pytest.mark.parametrize("blocks,norm", [(MatvecBlocks(), False), (MatvecBlocks(bn=16, dot=True), True)])
+def test_lowers_for_cuda_through_triton(blocks, norm):
+    """Pallas' Triton lowering of the kernel (masked row and column tiles, two dtypes, with and without
+    the RMSNorm), on the CPU."""
     args = [jax.ShapeDtypeStruct(s, d) for s, d in
             [((3, 2000), jnp.bfloat16), ((100, 2000), jnp.float32), ((16, 2000), jnp.bfloat16)]]
-    fn = lambda x, *w: matvecs(x, w, (jnp.float32, jnp.bfloat16), blocks=blocks, interpret=False)
+    rms = (jnp.ones((2000,), jnp.float32), 1e-6) if norm else None
+    fn = lambda x, *w: matvecs(x, w, (jnp.float32, jnp.bfloat16), norm=rms, blocks=blocks, interpret=False)
     assert "xla.gpu.triton" in jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -55,6 +76,8 @@ def test_bad_inputs_are_refused():
         matvecs(x, [w.astype(jnp.float16)])
     with pytest.raises(ValueError, match="out_dtypes"):
         matvecs(x, [w, w], [jnp.float32])
+    with pytest.raises(ValueError, match="norm weight"):
+        matvecs(x, [w], norm=(jnp.ones((32,)), 1e-6))
     with pytest.raises(ValueError, match="at least one"):
         matvecs(x, [])
     with pytest.raises(ValueError, match="power of two"):

@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 from k3jax.implementation import use_implementation
+from k3jax.layers.basic import RMSNorm
 from k3jax.layers.kda import KDA
 from k3jax.layers.mlp import activation
 from k3jax.layers.moe import MoE
@@ -15,23 +16,29 @@ from reference_numpy import rel_err
 
 
 def both(fn, *args):
+    """fn's outputs on the reference path, then on the Pallas path. The switch is read at trace time and
+    jax.jit caches traces by function, so each setting traces a fresh function (else the second jit
+    would reuse the first trace and compare the reference with itself)."""
     outs = {}
     for name in ("reference", "pallas"):
         with use_implementation(name):
-            outs[name] = jax.jit(fn)(*args)  # the switch is read at trace time
+            outs[name] = jax.jit(lambda *a: fn(*a))(*args)
     return outs["reference"], outs["pallas"]
 
 
-def test_kda_layer_prefill_and_decode():
+@pytest.mark.parametrize("batch", [2, 1])  # batch 1: the decode step's projections in one matvec kernel
+def test_kda_layer_prefill_and_decode(batch):
     cfg = preset("tiny")
     layer = KDA(cfg.hidden_size, cfg.kda, cfg.rms_norm_eps, rngs=nnx.Rngs(1))
-    graph, params = nnx.split(layer)
-    x = jax.random.normal(jax.random.key(2), (2, 21, cfg.hidden_size))
+    norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+    norm.weight.set_value(1.0 + jax.random.normal(jax.random.key(3), (cfg.hidden_size,)))
+    graph, params = nnx.split((layer, norm))
+    x = jax.random.normal(jax.random.key(2), (batch, 21, cfg.hidden_size))
 
     def run(params, x):
-        m = nnx.merge(graph, params)
-        y, state = m(x[:, :20])
-        z, state = m(x[:, 20:], state)
+        m, n = nnx.merge(graph, params)
+        y, state = m(x[:, :20], norm=n)
+        z, state = m(x[:, 20:], state, norm=n)
         return y, z, state.recurrent
 
     ref, pal = both(run, params, x)
@@ -61,11 +68,21 @@ def test_kda_layer_ragged_rows():
     assert rel_err(pal[3][1], pal[4]) < 5e-3  # row 1's state is the state after its 13 tokens
 
 
-@pytest.mark.parametrize("tokens", [(3, 1), (5, 7)])  # 6 (token, expert) pairs: fused decode kernel; 70: sorted
+# (3, 1): 6 (token, expert) pairs, the fused decode kernel; (5, 7): 70, sorted; (1, 1): one row, the
+# input maps (norm, router, latent, shared gate and up) in one matvec kernel, and the latent norm and up
+# projection in another
+@pytest.mark.parametrize("tokens", [(3, 1), (5, 7), (1, 1)])
 def test_moe_layer_with_packed_experts(tokens):
     cfg = preset("tiny")
     layer = MoE(cfg.hidden_size, cfg.moe, activation("situ"), cfg.rms_norm_eps, rngs=nnx.Rngs(3), packed_experts=True)
-    graph, params = nnx.split(layer)
-    x = jax.random.normal(jax.random.key(4), (*tokens, cfg.hidden_size))
-    ref, pal = both(lambda p, x: nnx.merge(graph, p)(x), params, x)
+    norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+    norm.weight.set_value(1.0 + jax.random.normal(jax.random.key(5), (cfg.hidden_size,)))
+    graph, params = nnx.split((layer, norm))
+    x = 3.0 * jax.random.normal(jax.random.key(4), (*tokens, cfg.hidden_size))
+
+    def run(params, x):
+        m, n = nnx.merge(graph, params)
+        return m(x, norm=n)
+
+    ref, pal = both(run, params, x)
     assert rel_err(pal, ref) < 5e-3

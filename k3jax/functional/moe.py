@@ -20,11 +20,6 @@ _GROUPED = jax.lax.RaggedDotDimensionNumbers(
 )
 
 
-def router_logits(x: Array, gate_weight: Array) -> Array:
-    """x [T, D], gate_weight [E, D] -> float32 logits [T, E]."""
-    return jnp.einsum("td,ed->te", x.astype(jnp.float32), gate_weight.astype(jnp.float32), precision=_HI)
-
-
 def select_experts(
     logits: Array, correction_bias: Array, k: int, renormalize: bool, scaling_factor: float
 ) -> tuple[Array, Array]:
@@ -93,4 +88,4 @@ def moe_sorted(
     return jnp.zeros((T, x.shape[1]), jnp.float32).at[token].add(y).astype(x.dtype)
 
 
-__all__ = ["router_logits", "select_experts", "situ", "swiglu", "grouped_matmul", "moe_dense", "moe_sorted"]
+__all__ = ["select_experts", "situ", "swiglu", "grouped_matmul", "moe_dense", "moe_sorted"]

@@ -6,13 +6,15 @@ are and an export back is bit-identical.
 
 from __future__ import annotations
 
-from typing import Union
+import math
+from typing import Sequence, Union
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.functional.norms import rms_norm
+from k3jax.implementation import get_implementation
 from k3jax.typing import Array
 
 _HI = jax.lax.Precision.HIGHEST
@@ -55,6 +57,42 @@ class Linear(nnx.Module):
         return jnp.einsum("...i,oi->...o", x, self.weight[...].astype(x.dtype), precision=_HI)
 
 
+# Rows of x up to which ``project`` takes the one-kernel matvecs: on the H200 the kernel matched XLA's
+# einsums at one row and took twice their time at eight (benchmarks/RESULTS.md, issue 4).
+MATVEC_KERNEL_ROWS = 1
+
+
+def _matvec_kernel_fits(x: Array, weights: Sequence[Array], dtypes: Sequence) -> bool:
+    """The Pallas path, one row (a batch-1 decode step), off TPU, and operands the kernel reads
+    exactly as the einsums would (each weight and x in the product's dtype, or the product in float32)."""
+    if get_implementation() != "pallas" or jax.default_backend() == "tpu":
+        return False
+    exact = lambda a, dt: a.dtype == dt or dt == jnp.float32
+    rows = math.prod(x.shape[:-1])
+    return 0 < rows <= MATVEC_KERNEL_ROWS and all(exact(w, dt) and exact(x, dt) for w, dt in zip(weights, dtypes))
+
+
+def project(x: Array, weights: Sequence[Array], dtypes: Sequence | None = None,
+            norm: "RMSNorm | None" = None) -> list[Array]:
+    """x [..., D] (RMS-normed by ``norm`` first, when given) times each weight [N_i, D]^T, as
+    ``einsum(x.astype(dt), w.astype(dt))`` with dt = dtypes[i] (default x.dtype; float32 sums): what
+    ``Linear`` computes, or the router's float32 logits. The maps that read one input (a layer's
+    projections) go together so that, on the Pallas path for one row (batch-1 decode) off TPU, one
+    kernel computes them all, norm included (``pallas_kernels.matvec``), instead of one small kernel
+    each."""
+    dtypes = [x.dtype] * len(weights) if dtypes is None else list(dtypes)
+    if _matvec_kernel_fits(x, weights, dtypes):
+        from pallas_kernels.matvec import matvecs
+
+        lead = x.shape[:-1]
+        rms = None if norm is None else (norm.weight[...], norm.eps)
+        outs = matvecs(x.reshape(-1, x.shape[-1]), list(weights), dtypes, norm=rms)
+        return [y.reshape(*lead, y.shape[-1]) for y in outs]
+    if norm is not None:
+        x = norm(x)
+    return [jnp.einsum("...i,oi->...o", x.astype(dt), w.astype(dt), precision=_HI) for w, dt in zip(weights, dtypes)]
+
+
 class RMSNorm(nnx.Module):
     """RMSNorm over the last axis with a learned scale (float32 inside)."""
 
@@ -76,4 +114,4 @@ class Embed(nnx.Module):
         return jnp.take(self.weight[...], tokens, axis=0)
 
 
-__all__ = ["Rngs", "Keys", "Linear", "RMSNorm", "Embed", "normal"]
+__all__ = ["Rngs", "Keys", "Linear", "RMSNorm", "Embed", "normal", "project", "MATVEC_KERNEL_ROWS"]

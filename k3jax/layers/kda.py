@@ -13,7 +13,7 @@ from k3jax.functional import kda as F
 from k3jax.functional.conv import causal_conv
 from k3jax.functional.norms import gated_rms_norm
 from k3jax.implementation import get_implementation
-from k3jax.layers.basic import Linear, RMSNorm, Rngs, normal
+from k3jax.layers.basic import Linear, RMSNorm, Rngs, normal, project
 from k3jax.typing import Array
 
 
@@ -93,21 +93,24 @@ class KDA(nnx.Module):
         return KDAState(conv, rec)
 
     def __call__(
-        self, x: Array, state: KDAState | None = None, valid: Array | None = None
+        self, x: Array, state: KDAState | None = None, valid: Array | None = None, norm: RMSNorm | None = None
     ) -> tuple[Array, KDAState]:
-        """x [B, T, D] -> (out [B, T, D], state after the tokens). ``valid`` [B, T] marks real tokens
-        (a prefix of each row; the rest is right padding that leaves the state untouched)."""
+        """x [B, T, D] (RMS-normed by ``norm`` first, when given) -> (out [B, T, D], state after the
+        tokens). ``valid`` [B, T] marks real tokens (a prefix of each row; the rest is right padding
+        that leaves the state untouched)."""
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         state = self.initial_state(B) if state is None else state
         lengths = None if valid is None else jnp.sum(valid, axis=1, dtype=jnp.int32)
         heads = lambda a: a.reshape(B, T, H, K)
-        qkv = jnp.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
+        gate_in = self.g_proj if hasattr(self, "g_proj") else self.g_a_proj
+        maps = (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj, gate_in)
+        q, k, v, f_a, beta_logits, gate = project(x, [m.weight[...] for m in maps], norm=norm)
         taps = jnp.concatenate([c.weight[...][:, 0] for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])
-        qkv, conv = causal_conv(qkv, taps, state.conv, lengths)
+        qkv, conv = causal_conv(jnp.concatenate([q, k, v], axis=-1), taps, state.conv, lengths)
         q, k, v = (heads(a) for a in jnp.split(jax.nn.silu(qkv), 3, axis=-1))
-        z = heads(self.f_b_proj(self.f_a_proj(x)))
-        beta_logits = self.b_proj(x).astype(jnp.float32)
+        z = heads(self.f_b_proj(f_a))
+        beta_logits = beta_logits.astype(jnp.float32)
         a_log, dt_bias = self.A_log[...], self.dt_bias[...].reshape(H, K)
         if self.lower_bound is not None and get_implementation() == "pallas":
             if valid is not None:  # padding neither decays nor writes the state: g = 0, beta = 0
@@ -116,7 +119,7 @@ class KDA(nnx.Module):
             o, rec = _kda_core_fused(q, k, v, z, a_log, dt_bias, beta_logits, state.recurrent, self.lower_bound)
         else:
             o, rec = self._gates_then_core(q, k, v, z, a_log, dt_bias, beta_logits, state.recurrent, valid)
-        gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
+        gate = gate if hasattr(self, "g_proj") else self.g_b_proj(gate)
         o = gated_rms_norm(o, heads(gate), self.o_norm.weight[...], self.eps).astype(x.dtype)
         return self.o_proj(o.reshape(B, T, H * K)), KDAState(conv, rec)
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.functional.moe import Activation, situ, swiglu
-from k3jax.layers.basic import Linear, Rngs
+from k3jax.layers.basic import Linear, RMSNorm, Rngs, project
 from k3jax.typing import Array
 
 
@@ -30,8 +30,13 @@ class DenseMLP(nnx.Module):
         self.up_proj = Linear(dim, width, rngs=rngs, param_dtype=param_dtype)
         self.down_proj = Linear(width, dim, rngs=rngs, param_dtype=param_dtype)
 
-    def __call__(self, x: Array) -> Array:
-        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+    def __call__(self, x: Array, norm: RMSNorm | None = None) -> Array:
+        """x [..., D] (RMS-normed by ``norm`` first, when given) -> [..., D]."""
+        return self.down(*project(x, [self.gate_proj.weight[...], self.up_proj.weight[...]], norm=norm))
+
+    def down(self, gate: Array, up: Array) -> Array:
+        """The output from the gate and up projections."""
+        return self.down_proj(self.act(gate, up))
 
 
 __all__ = ["DenseMLP", "activation"]

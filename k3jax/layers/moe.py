@@ -13,9 +13,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import MoEConfig
-from k3jax.functional.moe import Activation, grouped_matmul, moe_dense, moe_sorted, router_logits, select_experts
+from k3jax.functional.moe import Activation, grouped_matmul, moe_dense, moe_sorted, select_experts
 from k3jax.implementation import get_implementation
-from k3jax.layers.basic import Linear, RMSNorm, Rngs, normal
+from k3jax.layers.basic import Linear, RMSNorm, Rngs, normal, project
 from k3jax.layers.mlp import DenseMLP
 from k3jax.mx import MXTensor, quantize_compiled
 from k3jax.sharding import expert_mesh, moe_expert_parallel
@@ -93,22 +93,42 @@ class MoE(nnx.Module):
             self.shared_experts = DenseMLP(dim, shared, act, rngs=rngs, param_dtype=param_dtype)
 
     def route(self, x: Array) -> tuple[Array, Array]:
-        """x [T, D] -> (weights [T, k] float32, experts [T, k] int32). The Pallas path (off TPU) picks
-        the experts in one kernel (``pallas_kernels.route``)."""
+        """x [T, D] (normed) -> (weights [T, k] float32, experts [T, k] int32)."""
+        return self._select(project(x, [self.gate.weight[...]], [jnp.float32])[0])
+
+    def _select(self, logits: Array) -> tuple[Array, Array]:
+        """Router logits [T, E] float32 -> (weights, experts). The Pallas path (off TPU) picks the
+        experts in one kernel (``pallas_kernels.route``)."""
         cfg = self.cfg
         select = select_experts
         if get_implementation() == "pallas" and jax.default_backend() != "tpu":
             from pallas_kernels import route as kernels
 
             select = kernels.select_experts
-        return select(router_logits(x, self.gate.weight[...]), self.gate.e_score_correction_bias[...],
-                      cfg.experts_per_token, cfg.renormalize, cfg.routed_scaling_factor)
+        return select(logits, self.gate.e_score_correction_bias[...], cfg.experts_per_token, cfg.renormalize,
+                      cfg.routed_scaling_factor)
 
-    def __call__(self, x: Array) -> Array:
+    def _inputs(self, flat: Array, norm: RMSNorm | None) -> tuple[Array, Array, list[Array]]:
+        """(router logits float32, the routed experts' input, the shared experts' gate and up): the
+        maps that read the layer's input, together (``project``)."""
+        if norm is not None and not self.cfg.latent_size:  # the routed experts read the normed input itself
+            flat, norm = norm(flat), None
+        weights, dtypes = [self.gate.weight[...]], [jnp.float32]
+        if self.cfg.latent_size:
+            weights.append(self.routed_expert_down_proj.weight[...])
+        if self.cfg.num_shared_experts:
+            weights += [self.shared_experts.gate_proj.weight[...], self.shared_experts.up_proj.weight[...]]
+        outs = project(flat, weights, dtypes + [flat.dtype] * (len(weights) - 1), norm)
+        logits, rest = outs[0], outs[1:]
+        if self.cfg.latent_size:
+            return logits, rest[0], rest[1:]
+        return logits, flat, rest
+
+    def __call__(self, x: Array, norm: RMSNorm | None = None) -> Array:
+        """x [B, T, D] (RMS-normed by ``norm`` first, when given) -> [B, T, D]."""
         B, T, D = x.shape
-        flat = x.reshape(B * T, D)
-        weights, experts = self.route(flat)
-        z = self.routed_expert_down_proj(flat) if self.cfg.latent_size else flat
+        logits, z, shared = self._inputs(x.reshape(B * T, D), norm)
+        weights, experts = self._select(logits)
         w1, w3, w2 = (w.get_value() for w in (self.experts.w1, self.experts.w3, self.experts.w2))
         mesh = expert_mesh()
         if mesh is not None:
@@ -123,11 +143,10 @@ class MoE(nnx.Module):
             w1, w3, w2 = (_dense(w, z.dtype) for w in (w1, w3, w2))
             y = moe_dense(z, w1, w3, w2, weights, experts, self.act)
         if self.cfg.latent_size:
-            if self.cfg.latent_norm:
-                y = self.routed_expert_norm(y)
-            y = self.routed_expert_up_proj(y)
+            norm = self.routed_expert_norm if self.cfg.latent_norm else None
+            y = project(y, [self.routed_expert_up_proj.weight[...]], norm=norm)[0]
         if self.cfg.num_shared_experts:
-            y = y + self.shared_experts(flat)
+            y = y + self.shared_experts.down(*shared)
         return y.reshape(B, T, D)
 
 
