@@ -229,61 +229,31 @@ def test_mosaic_gpu_lowers_for_cuda():
     """The decode shape's kernel through Pallas' Mosaic GPU lowering for CUDA (inline PTX, wgmma, TMA)."""
     from pallas_kernels.mx_matmul.mosaic_gpu import MosaicBlocks, mx_matmul_mosaic
 
-    args = [jax.ShapeDtypeStruct(s, d) for s, d in
-            [((16, 3584), jnp.bfloat16), ((4096, 1792), jnp.uint8), ((4096, 112), jnp.uint8)]]
-    for bk in (128, 256):
-        fn = lambda x, c, s, bk=bk: mx_matmul_mosaic(x, c, s, blocks=MosaicBlocks(bk, 3))
+    for m, blocks in [(16, MosaicBlocks(128, 3)), (16, MosaicBlocks(256, 2)), (1, MosaicBlocks(256, 2, out_mn=True))]:
+        args = [jax.ShapeDtypeStruct(s, d) for s, d in
+                [((m, 3584), jnp.bfloat16), ((4096, 1792), jnp.uint8), ((4096, 112), jnp.uint8)]]
+        fn = lambda x, c, s, b=blocks: mx_matmul_mosaic(x, c, s, blocks=b)
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text
 
 
-# The unmeasured options of MosaicBlocks (README): K = 544 gives 5 / 3 steps at bk = 128 / 256, so the
-# two-stage pipelines refill slots.
-MOSAIC_OPTIONS = [
-    (dict(bk=128, stages=2, out_mn=True), 1, 96),
-    (dict(bk=128, stages=2, x_in_kernel=True), 13, 200),
-    (dict(bk=256, stages=2, warpgroups=2), 13, 200),
-    (dict(bk=128, stages=3, warpgroups=2, out_mn=True), 7, 300),
-]
-
-
-@pytest.mark.parametrize("options,m,n", MOSAIC_OPTIONS)
-def test_mosaic_gpu_options_match_reference(options, m, n):
+# out_mn (the kernel writes [M, N]): K = 544 gives 5 / 3 steps at bk = 128 / 256, so the pipelines refill slots.
+@pytest.mark.parametrize("bk,stages,m,n", [(128, 2, 1, 96), (256, 2, 13, 200)])
+def test_mosaic_gpu_out_mn_matches_reference(bk, stages, m, n):
     from pallas_kernels.mx_matmul.mosaic_gpu import MosaicBlocks, interpret_params, mx_matmul_mosaic
 
     k = 544
     w = MXTensor.quantize(jax.random.normal(jax.random.key(50 + m), (n, k)) * 0.05)
     x = bf16_normal(jax.random.key(51 + m), (m, k))
-    out = mx_matmul_mosaic(x, w.codes, w.scales, blocks=MosaicBlocks(**options), interpret=interpret_params())
+    blocks = MosaicBlocks(bk, stages, out_mn=True)
+    out = mx_matmul_mosaic(x, w.codes, w.scales, blocks=blocks, interpret=interpret_params())
     assert out.shape == (m, n) and out.dtype == jnp.float32
     assert rel_err(out, mx_matmul_reference(x, w)) < 1e-5
-
-
-def test_mosaic_x_source_offsets_follow_k_permutation():
-    """The in-kernel gather of x (x_in_kernel) reads each 16-byte column group at fixed offsets."""
-    from pallas_kernels.mx_matmul.mosaic_gpu import _x_source_offsets, k_permutation
-
-    for bk in (128, 256):
-        perm = k_permutation(bk).reshape(-1, 8)
-        np.testing.assert_array_equal(perm - perm[:, :1], np.tile(_x_source_offsets(bk), (bk // 8, 1)))
-
-
-def test_mosaic_gpu_options_lower_for_cuda():
-    """Each option at the decode shape (M = 1 and 16, N = 4096, K = 3584) through the CUDA lowering."""
-    from pallas_kernels.mx_matmul.mosaic_gpu import MosaicBlocks, mx_matmul_mosaic
-
-    for m in (1, 16):
-        args = [jax.ShapeDtypeStruct(s, d) for s, d in
-                [((m, 3584), jnp.bfloat16), ((4096, 1792), jnp.uint8), ((4096, 112), jnp.uint8)]]
-        for options, _, _ in MOSAIC_OPTIONS:
-            blocks = MosaicBlocks(**{**options, "stages": 3})
-            fn = lambda x, c, s, b=blocks: mx_matmul_mosaic(x, c, s, blocks=b)
-            assert "mosaic_gpu" in jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_mosaic_blocks_reject_bad_options():
     from pallas_kernels.mx_matmul.mosaic_gpu import MosaicBlocks
 
-    for bad in [dict(warpgroups=5), dict(stages=0), dict(warpgroups=2, x_in_kernel=True)]:
+    for bad in [dict(bk=512), dict(stages=0)]:
         with pytest.raises(ValueError):
             MosaicBlocks(**bad)

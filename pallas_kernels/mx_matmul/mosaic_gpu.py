@@ -64,32 +64,17 @@ _F32, _BF16 = jnp.float32, jnp.bfloat16
 @dataclasses.dataclass(frozen=True)
 class MosaicBlocks:
     """bk: contracted elements per step (128 or 256: one or two scale blocks per thread and row);
-    stages: steps whose tiles are in flight. The options below are unmeasured on a GPU (README):
+    stages: steps whose tiles are in flight; out_mn: the kernel writes out [M, N] itself (each thread
+    stores its accumulator values transposed into a shared [Mp, 64] tile, TMA copies its first M
+    rows), so no XLA slice and transpose follow it (measured faster at M = 1 only, README)."""
 
-    warpgroups: warpgroups per program (1-4), each over its own 64 weight rows; one TMA copy of the
-      codes and one of the x tile per step serve them all (issued by warpgroup 0, which refills a
-      slot once every warpgroup has arrived on the slot's "consumed" barrier).
-    out_mn: the kernel writes out [M, N] itself (each thread stores its accumulator values
-      transposed into a shared [Mp, 64] tile, TMA copies its first M rows), so no XLA slice and
-      transpose follow it.
-    x_in_kernel: x [M, K] goes in as it is; per step TMA brings its [M, bk] tile and the threads
-      gather it into the ``k_permutation`` order in shared memory (no XLA pad and gather before
-      the kernel). One warpgroup per program only.
-    """
-
-    bk: int = 128
-    stages: int = 4
-    warpgroups: int = 1
+    bk: int = 256
+    stages: int = 2
     out_mn: bool = False
-    x_in_kernel: bool = False
 
     def __post_init__(self):
         if self.bk not in (128, 256) or self.stages < 1:
             raise ValueError(f"bk must be 128 or 256 and stages >= 1, got {self}")
-        if not 1 <= self.warpgroups <= _TMA_MAX_BOX // ROWS:
-            raise ValueError(f"warpgroups must be 1..{_TMA_MAX_BOX // ROWS}, got {self}")
-        if self.x_in_kernel and self.warpgroups > 1:
-            raise ValueError(f"x_in_kernel takes one warpgroup per program, got {self}")
 
 
 def _slot_sources(p, bk: int):
@@ -184,9 +169,7 @@ def _decode_registers(bk: int):
     in shared memory) -> bf16 [64, bk] in the WGMMA register layout (column p = k_permutation[p])."""
     import jax.experimental.mosaic.gpu as mgpu
     from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm, memref
-
-    from jax._src.lib.mlir.dialects import scf
+    from jax._src.lib.mlir.dialects import arith, llvm, memref, scf
 
     chunks = bk // 128
 
@@ -267,57 +250,6 @@ def _x_tile_transforms() -> tuple:
     return plgpu.TilingTransform((8, _X_TILE_COLS)), plgpu.SwizzleTransform(_SWIZZLE_BYTES)
 
 
-def _x_source_offsets(bk: int) -> list[int]:
-    """The 8 contracted offsets, from the group's first one (see ``_permute_x``), of one 16-byte
-    group of A-operand columns p = 8 t + q: ``k_permutation(bk)[8 t + q] - k_permutation(bk)[8 t]``
-    for q = 2 lane_col + v; the same for every t."""
-    return [32 * (bk // 128) * (q // 2) + 4 * (q % 2) for q in range(8)]
-
-
-def _permute_x(bk: int, m: int):
-    """Inline Mosaic GPU function (ctx, src_ref [m, bk] bf16, dst_ref [Mp, bk] bf16 in 8 x 64 tiles
-    with 128-byte swizzle, both shared memory): dst[r, p] = src[r, k_permutation(bk)[p]] for the m
-    real rows, one 16-byte group of 8 columns per thread (8 two-byte loads, one 16-byte store);
-    rows m..Mp are left as they are (their products land in output columns no one reads)."""
-    import jax.experimental.mosaic.gpu as mgpu
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm, scf
-
-    groups = bk // 8
-    offsets = _x_source_offsets(bk)
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(_x_tile_transforms())))
-    def permute(ctx, src_ref, dst_ref):
-        del ctx
-        i16, i32, i64 = (ir.IntegerType.get_signless(b) for b in (16, 32, 64))
-        i8 = ir.IntegerType.get_signless(8)
-        vec_ty = ir.VectorType.get((8,), i16)
-        c = lambda v: arith.constant(i32, v)
-        tid = arith.remui(mgpu.utils.thread_idx(), c(128))
-        src, dst = mgpu.utils.memref_ptr(src_ref), mgpu.utils.memref_ptr(dst_ref)
-        for first in range(0, m * groups, 128):
-            group = arith.addi(tid, c(first))
-            inside = scf.IfOp(arith.cmpi(arith.CmpIPredicate.ult, group, c(m * groups)))
-            with ir.InsertionPoint(inside.then_block):
-                r, t = arith.divui(group, c(groups)), arith.remui(group, c(groups))
-                a, word, j = arith.divui(t, c(16)), arith.remui(arith.divui(t, c(4)), c(4)), arith.remui(t, c(4))
-                k0 = arith.subi(arith.addi(arith.muli(a, c(32)), arith.muli(word, c(8))), arith.subi(j, c(3)))
-                base = arith.addi(arith.muli(r, c(bk)), k0)
-                vec = llvm.mlir_undef(vec_ty)
-                for q, off in enumerate(offsets):
-                    ptr = mgpu.utils.getelementptr(src, [arith.extui(i64, arith.addi(base, c(off)))], i16)
-                    vec = llvm.insertelement(vec, llvm.load(i16, ptr), c(q))
-                row_in_tile = arith.remui(r, c(8))
-                tile = arith.addi(arith.muli(arith.divui(r, c(8)), c(bk // _X_TILE_COLS)), arith.divui(t, c(8)))
-                chunk = arith.xori(arith.remui(t, c(8)), row_in_tile)
-                byte = arith.addi(arith.addi(arith.muli(tile, c(8 * _SWIZZLE_BYTES)),
-                                             arith.muli(row_in_tile, c(_SWIZZLE_BYTES))), arith.muli(chunk, c(16)))
-                llvm.store(vec, mgpu.utils.getelementptr(dst, [arith.extui(i64, byte)], i8), alignment=16)
-                scf.yield_([])
-
-    return permute
-
-
 def _store_transposed():
     """Inline Mosaic GPU function (ctx, acc [64, Mp] in the WGMMA layout, out_ref [Mp, 64] in shared
     memory): out_ref[col, row] = acc[row, col], each thread storing its own registers' elements."""
@@ -338,75 +270,54 @@ def _store_transposed():
     return store
 
 
-def _kernel(codes_g, scales_g, x_g, out_g, codes_s, scales_s, x_s, out_s, bars, scale_bar, *extra,
+def _warpgroup_barrier():
+    """Inline Mosaic GPU function (ctx): a barrier of the warpgroup's threads, no memory fence: the
+    slot's tiles were only read (its codes by this thread's loads, its x tile by the finished wgmma)."""
+    import jax.experimental.mosaic.gpu as mgpu
+
+    @plgpu.inline_mgpu()
+    def barrier(ctx):
+        del ctx
+        mgpu.utils.warpgroup_barrier()
+
+    return barrier
+
+
+def _kernel(codes_g, scales_g, x_g, out_g, codes_s, scales_s, x_s, out_s, bars, scale_bar, *,
             n_steps: int, m: int, blocks: MosaicBlocks, interpret: bool):
-    """One program: ``blocks.warpgroups`` x 64 weight rows; extra holds the raw x tiles [stages, m,
-    bk] (x_in_kernel) and then the slots' consumed barriers (warpgroups > 1)."""
-    bk, stages, wgs = blocks.bk, blocks.stages, blocks.warpgroups
-    x_raw_s = extra[0] if blocks.x_in_kernel else None
-    consumed = extra[-1] if wgs > 1 else None
-    program_row0 = jax.lax.axis_index("rows") * (wgs * ROWS)
-    wg = jax.lax.axis_index("wg") if wgs > 1 else 0
-    own = pl.ds(wg * ROWS, ROWS) if wgs > 1 else slice(None)  # this warpgroup's rows in the program's
+    """One program: 64 weight rows, one warpgroup."""
+    bk, stages = blocks.bk, blocks.stages
+    row0 = jax.lax.axis_index("rows") * ROWS
     n_scale_cols = scales_s.shape[1]
 
     def fetch(step, slot):
-        plgpu.copy_gmem_to_smem(codes_g.at[pl.ds(program_row0, wgs * ROWS), pl.ds(step * (bk // 2), bk // 2)],
+        plgpu.copy_gmem_to_smem(codes_g.at[pl.ds(row0, ROWS), pl.ds(step * (bk // 2), bk // 2)],
                                 codes_s.at[slot], bars.at[slot])
-        plgpu.copy_gmem_to_smem(x_g.at[:, pl.ds(step * bk, bk)], (x_raw_s if blocks.x_in_kernel else x_s).at[slot],
-                                bars.at[slot])
+        plgpu.copy_gmem_to_smem(x_g.at[:, pl.ds(step * bk, bk)], x_s.at[slot], bars.at[slot])
 
-    def by_leader(fn):  # warpgroup 0 issues the TMA copies
-        if wgs == 1:
-            fn()
-        else:
-            pl.when(wg == 0)(fn)
-
-    def prologue():
-        for start in range(0, n_scale_cols, _TMA_MAX_BOX):
-            cols = pl.ds(start, min(_TMA_MAX_BOX, n_scale_cols - start))
-            plgpu.copy_gmem_to_smem(scales_g.at[pl.ds(program_row0, wgs * ROWS), cols], scales_s.at[:, cols],
-                                    scale_bar.at[0])
-        for step in range(min(stages, n_steps)):
-            fetch(step, step)
-
-    by_leader(prologue)
+    for start in range(0, n_scale_cols, _TMA_MAX_BOX):
+        cols = pl.ds(start, min(_TMA_MAX_BOX, n_scale_cols - start))
+        plgpu.copy_gmem_to_smem(scales_g.at[pl.ds(row0, ROWS), cols], scales_s.at[:, cols], scale_bar.at[0])
+    for step in range(min(stages, n_steps)):
+        fetch(step, step)
     plgpu.barrier_wait(scale_bar.at[0])
     decode = None if interpret else _decode_registers(bk)
-    permute = None if interpret or not blocks.x_in_kernel else _permute_x(bk, m)
+    barrier = None if interpret else _warpgroup_barrier()
 
     def tiles(step, slot):
-        scales = scales_s.at[own, pl.ds(step * (bk // BLOCK), bk // BLOCK)]
-        codes = codes_s.at[slot, own]
+        scales = scales_s.at[:, pl.ds(step * (bk // BLOCK), bk // BLOCK)]
         plgpu.barrier_wait(bars.at[slot])
-        if blocks.x_in_kernel:
-            if interpret:
-                x_s[slot, :m] = x_raw_s[slot][:, _k_permutation_jnp(bk)]
-            else:
-                permute(x_raw_s.at[slot], x_s.at[slot])
-                plgpu.commit_smem()  # the permuted tile visible to wgmma
         if interpret:
-            return _decode_emulated(codes[...], scales[...], bk), x_s[slot]
-        return decode(codes, scales), None
+            return _decode_emulated(codes_s[slot], scales[...], bk), x_s[slot]
+        return decode(codes_s.at[slot], scales), None
 
     def release(step, slot):
-        """The step's tiles are read: refill the slot with step + stages (warpgroup 0, once every
-        warpgroup has arrived)."""
-        if wgs == 1:
-            plgpu.commit_smem()  # every thread is done with the slot's tiles
-
-            @pl.when(step + stages < n_steps)
-            def _():
-                fetch(step + stages, slot)
-        else:  # arrivals only where a refill waits for them (every phase of a barrier is observed)
-            @pl.when(step + stages < n_steps)
-            def _():
-                plgpu.barrier_arrive(consumed.at[slot])
-
-                @pl.when(wg == 0)
-                def _():
-                    plgpu.barrier_wait(consumed.at[slot])
-                    fetch(step + stages, slot)
+        """The step's tiles are read: once every thread is past its reads, refill the slot with step + stages."""
+        @pl.when(step + stages < n_steps)
+        def _():
+            if not interpret:
+                barrier()
+            fetch(step + stages, slot)
 
     if interpret:
         def step_fn(step, acc):
@@ -431,27 +342,18 @@ def _kernel(codes_g, scales_g, x_g, out_g, codes_s, scales_s, x_s, out_s, bars, 
             return acc_ref[...]
 
         acc = pl.run_scoped(accumulate, plgpu.ACC((ROWS, x_s.shape[1]), _F32))
-    own_out = pl.ds(program_row0 + wg * ROWS, ROWS)  # global output rows (weight rows) of this warpgroup
-    if blocks.out_mn:
-        tile = out_s.at[wg]  # [Mp, 64]
+    if blocks.out_mn:  # out_s [Mp, 64]
         if interpret:
-            tile[...] = acc.T.astype(out_s.dtype)
+            out_s[...] = acc.T.astype(out_s.dtype)
         else:
-            _store_transposed()(acc.astype(out_s.dtype), tile)
+            _store_transposed()(acc.astype(out_s.dtype), out_s)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(tile.at[pl.ds(0, m)], out_g.at[:, own_out])
-    else:
-        tile = out_s.at[own]
-        tile[...] = acc.astype(out_s.dtype)
+        plgpu.copy_smem_to_gmem(out_s.at[pl.ds(0, m)], out_g.at[:, pl.ds(row0, ROWS)])
+    else:  # out_s [64, Mp]
+        out_s[...] = acc.astype(out_s.dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(tile, out_g.at[own_out])
+        plgpu.copy_smem_to_gmem(out_s, out_g.at[pl.ds(row0, ROWS)])
     plgpu.wait_smem_to_gmem(0)
-
-
-def _k_permutation_jnp(bk: int) -> Array:
-    """``k_permutation(bk)`` from iotas (no captured constant in interpret mode)."""
-    chunk, word, j, v = _slot_sources(jax.lax.iota(jnp.int32, bk), bk)
-    return 8 * (4 * chunk + word) + 3 - j + 4 * v
 
 
 def _round_up(n: int, m: int) -> int:
@@ -473,46 +375,35 @@ def mx_matmul_mosaic(x: Array, codes: Array, scales: Array, *, blocks: MosaicBlo
     [M, N] (float32 accumulation, rounded once; the kernel writes [N, Mp], transposed outside, or
     with ``out_mn`` [M, N] itself).
 
-    Pads N to 64 x warpgroups rows, K to bk and the scale columns to 16 bytes (no copy at
-    N % (64 x warpgroups) == 0, K % bk == 0, K % 512 == 0) and, unless ``x_in_kernel``, pads x to Mp
-    rows and permutes its columns within each bk tile (``k_permutation``).
-    ``interpret``: False on the GPU, or ``interpret_params()`` on a CPU.
+    Pads N to 64 rows, K to bk and the scale columns to 16 bytes (no copy at N % 64 == 0,
+    K % bk == 0, K % 512 == 0), pads x to Mp rows and permutes its columns within each bk tile
+    (``k_permutation``). ``interpret``: False on the GPU, or ``interpret_params()`` on a CPU.
     """
     m, k = x.shape
     n = codes.shape[0]
-    bk, stages, wgs = blocks.bk, blocks.stages, blocks.warpgroups
-    mp, np_, kp = rows_padded(m), _round_up(n, wgs * ROWS), _round_up(k, bk)
+    bk, stages = blocks.bk, blocks.stages
+    mp, np_, kp = rows_padded(m), _round_up(n, ROWS), _round_up(k, bk)
     if mp > 64:
         raise ValueError(f"mx_matmul_mosaic takes at most 64 rows of x, got {m}")
     n_scale_cols = _round_up(kp // BLOCK, _SCALE_COLUMN_ALIGN)
     codes = _pad2(codes, np_, kp // 2, 0)
     scales = _pad2(scales, np_, n_scale_cols, ZERO_BLOCK_SCALE_BYTE)
-    if blocks.x_in_kernel:
-        x_in = _pad2(x.astype(_BF16), m, kp, 0)
-    else:
-        columns = (np.arange(kp) // bk) * bk + np.tile(k_permutation(bk), kp // bk)
-        x_in = _pad2(x.astype(_BF16), mp, kp, 0)[:, columns]
-    out_tile = (wgs, mp, ROWS) if blocks.out_mn else (wgs * ROWS, mp)
+    columns = (np.arange(kp) // bk) * bk + np.tile(k_permutation(bk), kp // bk)
+    x_in = _pad2(x.astype(_BF16), mp, kp, 0)[:, columns]
     scratch = [
-        plgpu.SMEM((stages, wgs * ROWS, bk // 2), jnp.uint8),
-        plgpu.SMEM((wgs * ROWS, n_scale_cols), jnp.uint8),
+        plgpu.SMEM((stages, ROWS, bk // 2), jnp.uint8),
+        plgpu.SMEM((ROWS, n_scale_cols), jnp.uint8),
         plgpu.SMEM((stages, mp, bk), _BF16, transforms=_x_tile_transforms()),
-        plgpu.SMEM(out_tile, out_dtype),
+        plgpu.SMEM((mp, ROWS) if blocks.out_mn else (ROWS, mp), out_dtype),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         plgpu.Barrier(num_arrivals=-(-n_scale_cols // _TMA_MAX_BOX), num_barriers=1),
     ]
-    if blocks.x_in_kernel:
-        scratch.append(plgpu.SMEM((stages, m, bk), _BF16))
-    threads = {}
-    if wgs > 1:
-        scratch.append(plgpu.Barrier(num_arrivals=wgs, num_barriers=stages))
-        threads = dict(num_threads=wgs, thread_name="wg")
     kernel = functools.partial(_kernel, n_steps=kp // bk, m=m, blocks=blocks, interpret=bool(interpret))
     out = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((m, np_) if blocks.out_mn else (np_, mp), out_dtype),
-        scratch_types=scratch, grid=(np_ // (wgs * ROWS),), grid_names=("rows",),
-        compiler_params=plgpu.CompilerParams(), interpret=interpret or None, **threads,
+        scratch_types=scratch, grid=(np_ // ROWS,), grid_names=("rows",),
+        compiler_params=plgpu.CompilerParams(), interpret=interpret or None,
     )(codes, scales, x_in)
     return out[:, :n] if blocks.out_mn else out[:n, :m].T
 

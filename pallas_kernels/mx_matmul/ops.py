@@ -59,7 +59,7 @@ def default_blocks(m: int, grouped: bool = False) -> MXBlocks:
     benchmarks/RESULTS.md at dense M = 1, 16, 512, 4096 and grouped decode / prefill; the rows
     between (dense 17..511) are unmeasured."""
     if m <= MOSAIC_GPU_MAX_M and not grouped and mosaic_gpu_runs():
-        return MXBlocks(bk=128, num_stages=3, mosaic_gpu=True)
+        return MXBlocks(bk=256, num_stages=2, mosaic_gpu=True)
     if m == 1 and not grouped:
         return MXBlocks(bm=1, bn=32, bk=256, num_warps=4, num_stages=3, gemv=True)
     if grouped:
@@ -169,13 +169,14 @@ def _decode_then_dot(x, w: MXTensor, blocks: MXBlocks, n_pad: int, out_dtype, in
 
 
 def _mosaic_gpu(x, w: MXTensor, blocks: MXBlocks, out_dtype, interpret: bool) -> Array:
-    """The Mosaic GPU kernel (``mosaic_gpu.py``) on x decoded to bf16 (exact for MXFP8 x)."""
+    """The Mosaic GPU kernel (``mosaic_gpu.py``) on x decoded to bf16 (exact for MXFP8 x); one row of x
+    takes ``out_mn`` (the kernel writes [1, N], measured faster there only)."""
     from pallas_kernels.mx_matmul import mosaic_gpu
 
     xv = x.decode(jnp.bfloat16) if isinstance(x, MXTensor) else x.astype(jnp.bfloat16)
-    return mosaic_gpu.mx_matmul_mosaic(
-        xv, w.codes, w.scales, blocks=mosaic_gpu.MosaicBlocks(blocks.bk, blocks.num_stages), out_dtype=out_dtype,
-        interpret=mosaic_gpu.interpret_params() if interpret else False)
+    mosaic_blocks = mosaic_gpu.MosaicBlocks(blocks.bk, blocks.num_stages, out_mn=xv.shape[0] == 1)
+    return mosaic_gpu.mx_matmul_mosaic(xv, w.codes, w.scales, blocks=mosaic_blocks, out_dtype=out_dtype,
+                                       interpret=mosaic_gpu.interpret_params() if interpret else False)
 
 
 @functools.partial(jax.jit, static_argnames=("blocks", "out_dtype", "interpret"))
