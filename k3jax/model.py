@@ -66,12 +66,12 @@ class DecoderLayer(nnx.Module):
         """Attention of the normed input; with a cache (``ctx`` given) it continues the sequence."""
         kda = isinstance(self.self_attn, KDA)
         with jax.named_scope("kda" if kda else "mla"):  # names the kernels in profiles
+            norm = self.input_layernorm
             if kda:
-                return self.self_attn(h, cache, None if ctx is None else ctx.valid, norm=self.input_layernorm)
-            x = self.input_layernorm(h)
+                return self.self_attn(h, cache, None if ctx is None else ctx.valid, norm=norm)
             if ctx is None:
-                return self.self_attn(x), None
-            return self.self_attn.extend(x, cache, ctx.start, ctx.window)
+                return self.self_attn(h, norm=norm), None
+            return self.self_attn.extend(h, cache, ctx.start, ctx.window, norm=norm)
 
     def ffn(self, h: Array) -> Array:
         moe = hasattr(self, "block_sparse_moe")

@@ -9,6 +9,7 @@ from flax import nnx
 from k3jax.implementation import use_implementation
 from k3jax.layers.basic import RMSNorm
 from k3jax.layers.kda import KDA
+from k3jax.layers.mla import MLA
 from k3jax.layers.mlp import activation
 from k3jax.layers.moe import MoE
 from k3jax.presets import preset
@@ -86,3 +87,25 @@ def test_moe_layer_with_packed_experts(tokens):
 
     ref, pal = both(run, params, x)
     assert rel_err(pal, ref) < 5e-3
+
+
+def test_mla_layer_decode_one_row():
+    """A batch-1 MLA decode step: the normed input's maps (q_a, kv_a, output gate) in one matvec
+    kernel and q_a_layernorm + q_b_proj in another, against the reference path."""
+    cfg = preset("tiny")
+    layer = MLA(cfg.hidden_size, cfg.mla, rngs=nnx.Rngs(7))
+    norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+    norm.weight.set_value(1.0 + jax.random.normal(jax.random.key(8), (cfg.hidden_size,)))
+    graph, params = nnx.split((layer, norm))
+    x = 2.0 * jax.random.normal(jax.random.key(9), (1, 6, cfg.hidden_size))
+
+    def run(params, x):
+        m, n = nnx.merge(graph, params)
+        cache = m.init_cache(1, 8)
+        y, cache = m.extend(x[:, :5], cache, jnp.zeros((1,), jnp.int32), norm=n)
+        z, cache = m.extend(x[:, 5:], cache, jnp.full((1,), 5, jnp.int32), norm=n)
+        return y, z, cache.c_kv
+
+    ref, pal = both(run, params, x)
+    for a, b in zip(ref, pal):
+        assert rel_err(b, a) < 5e-3

@@ -11,7 +11,7 @@ from flax import nnx
 
 from k3jax.config import MLAConfig
 from k3jax.functional.mla import absorbed_attention, causal_attention, mla_keys_values
-from k3jax.layers.basic import Linear, RMSNorm, Rngs
+from k3jax.layers.basic import Linear, RMSNorm, Rngs, project
 from k3jax.typing import Array
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm, as in the public implementations
@@ -45,24 +45,34 @@ class MLA(nnx.Module):
             self.g_proj = lin(dim, H * cfg.v_head_dim)
         self.o_proj = lin(H * cfg.v_head_dim, dim)
 
-    def queries(self, x: Array) -> Array:
-        """[B, T, D] -> [B, T, H, nope + rope]."""
-        B, T, _ = x.shape
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.cfg.q_lora_rank else self.q_proj(x)
+    def inputs(self, x: Array, norm: RMSNorm | None = None) -> tuple[Array, Array, Array | None]:
+        """x [B, T, D] (RMS-normed by ``norm`` first, when given) -> the maps that read it, together
+        (``project``): (the query input: q_a_proj's or q_proj's output, kv_a_proj_with_mqa's output
+        [B, T, R + P], the output gate's logits or None)."""
+        maps = [self.q_a_proj if self.cfg.q_lora_rank else self.q_proj, self.kv_a_proj_with_mqa]
+        if self.cfg.output_gate:
+            maps.append(self.g_proj)
+        outs = project(x, [m.weight[...] for m in maps], norm=norm)
+        return outs[0], outs[1], outs[2] if self.cfg.output_gate else None
+
+    def queries(self, q_in: Array) -> Array:
+        """The query input [B, T, *] -> queries [B, T, H, nope + rope]."""
+        B, T, _ = q_in.shape
+        q = project(q_in, [self.q_b_proj.weight[...]], norm=self.q_a_layernorm)[0] if self.cfg.q_lora_rank else q_in
         return q.reshape(B, T, self.cfg.num_heads, self.cfg.qk_head_dim)
 
-    def latent(self, x: Array) -> tuple[Array, Array]:
-        """[B, T, D] -> (c_kv after kv_a_layernorm [B, T, R], k_pe [B, T, P]): what a decode cache holds."""
-        c = self.kv_a_proj_with_mqa(x)
+    def latent(self, c: Array) -> tuple[Array, Array]:
+        """kv_a_proj_with_mqa's output [B, T, R + P] -> (c_kv after kv_a_layernorm [B, T, R], k_pe
+        [B, T, P]): what a decode cache holds."""
         c_kv, k_pe = c[..., : self.cfg.kv_lora_rank], c[..., self.cfg.kv_lora_rank :]
         return self.kv_a_layernorm(c_kv), k_pe
 
-    def output(self, x: Array, o: Array) -> Array:
-        """Attention output o [B, T, H, V] -> output gate (K3) -> o_proj -> [B, T, D]."""
+    def output(self, gate: Array | None, o: Array, dtype) -> Array:
+        """Attention output o [B, T, H, V] -> output gate (K3; its logits ``gate``) -> o_proj -> [B, T, D]."""
         B, T = o.shape[:2]
-        o = o.reshape(B, T, -1).astype(x.dtype)
-        if self.cfg.output_gate:
-            o = o * jax.nn.sigmoid(self.g_proj(x).astype(jnp.float32)).astype(x.dtype)
+        o = o.reshape(B, T, -1).astype(dtype)
+        if gate is not None:
+            o = o * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(dtype)
         return self.o_proj(o)
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32) -> MLACache:
@@ -70,7 +80,8 @@ class MLA(nnx.Module):
         return MLACache(jnp.zeros((batch, max_len, cfg.kv_lora_rank), dtype),
                         jnp.zeros((batch, max_len, cfg.qk_rope_head_dim), dtype))
 
-    def extend(self, x: Array, cache: MLACache, start: Array, window: int | None = None) -> tuple[Array, MLACache]:
+    def extend(self, x: Array, cache: MLACache, start: Array, window: int | None = None,
+               norm: RMSNorm | None = None) -> tuple[Array, MLACache]:
         """New tokens x [B, T, D] at positions start[b] + t against the cache, in the absorbed form.
 
         Writes the new latents into the cache (positions past its end are dropped), then attends
@@ -81,26 +92,29 @@ class MLA(nnx.Module):
         """
         cfg = self.cfg
         B, T, _ = x.shape
-        c_kv, k_pe = self.latent(x)
+        q_in, c, gate = self.inputs(x, norm)
+        c_kv, k_pe = self.latent(c)
         pos = start[:, None] + jnp.arange(T)  # [B, T]
         rows = jnp.arange(B)[:, None]
         cache = MLACache(cache.c_kv.at[rows, pos].set(c_kv.astype(cache.c_kv.dtype), mode="drop"),
                          cache.k_pe.at[rows, pos].set(k_pe.astype(cache.k_pe.dtype), mode="drop"))
         keys = MLACache(cache.c_kv[:, :window], cache.k_pe[:, :window])  # [:None] is everything
         visible = jnp.arange(keys.c_kv.shape[1])[None, None, :] <= pos[:, :, None]  # [B, T, S]
-        q = self.queries(x)
+        q = self.queries(q_in)
         o = absorbed_attention(q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :], keys.c_kv,
                                keys.k_pe, self.kv_b_proj.weight[...], visible,
                                cfg.qk_head_dim**-0.5)
-        return self.output(x, o), cache
+        return self.output(gate, o, x.dtype), cache
 
-    def __call__(self, x: Array) -> Array:
+    def __call__(self, x: Array, norm: RMSNorm | None = None) -> Array:
+        """x [B, T, D] (RMS-normed by ``norm`` first, when given) -> [B, T, D], the expanded form."""
         cfg = self.cfg
-        c_kv, k_pe = self.latent(x)
+        q_in, c, gate = self.inputs(x, norm)
+        c_kv, k_pe = self.latent(c)
         k, v = mla_keys_values(c_kv, k_pe, self.kv_b_proj.weight[...].astype(x.dtype), cfg.num_heads,
                                cfg.qk_nope_head_dim)
-        o = causal_attention(self.queries(x), k, v, cfg.qk_head_dim**-0.5)
-        return self.output(x, o)
+        o = causal_attention(self.queries(q_in), k, v, cfg.qk_head_dim**-0.5)
+        return self.output(gate, o, x.dtype)
 
 
 __all__ = ["MLA", "MLACache", "LATENT_NORM_EPS"]
