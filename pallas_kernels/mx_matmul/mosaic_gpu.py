@@ -10,22 +10,20 @@ into a float32 [64, Mp] accumulator.
 No shuffle: wgmma's A layout gives thread (warp w, lane l) rows 16 w + l / 4 (+ 8) and column pairs
 8 t + 2 (l % 4) + {0, 1}. Thread c = l % 4 takes, of each of its rows, the ``bk / 128`` 16-byte
 chunks (one 32-element scale block each) starting at chunk c bk / 128: four 32-bit words, eight
-nibbles each. The word's nibbles i and i + 4 sit at the same place of its two 16-bit halves, so one
-shift puts the pair at the top of the halves and ``(t & 0x80008000) | ((t >> 6) & 0x01C001C0)``
-makes a bf16x2 of the two E2M1 values times 2**-126 (code 1 the subnormal 2**-127); one bf16x2
-multiply by 2**126 times the block scale gives the elements exactly where that factor is a finite bf16
-(scale byte <= 128), else two (by 2**126, then by the scale); the choice is made once per step for a
-whole warp (a vote), so the branch is uniform. That register is
-column pair t of the A operand, so contracted index k = ``k_permutation(bk)[p]`` sits at column p;
-x's columns are permuted the same way outside the kernel (a gather over [M, K]), and the sum over
-k does not care about the order. Measured on the H200 (ncu): 4.3 instructions per weight element in
-all, decode, loads, wgmma and loop included.
+nibbles each. Output register j of a word holds its nibbles 3 - j and 7 - j, which sit at the same
+place of the word's two 16-bit halves: one shift moves their magnitude bits to bf16 bits 6-8, one
+shift of the sign bits of the nibbles of that parity (masked once per word) moves their signs to bits
+15 and 31, and a ``lop3`` merges the two (``_output_steps``); that is a bf16x2 of the two E2M1 values
+times 2**-126 (code 1 the subnormal 2**-127). One bf16x2 multiply by 2**126 times the block scale gives
+the elements exactly where that factor is a finite bf16 (scale byte <= 128), else two (by 2**126,
+then by the scale); the choice is made once per step for a whole warp (a vote), so the branch is
+uniform. That register is column pair t of the A operand, so contracted index k =
+``k_permutation(bk)[p]`` sits at column p; x's columns are permuted the same way outside the kernel
+(a gather over [M, K]), and the sum over k does not care about the order. ptxas makes 17
+instructions of a word (8 elements); the whole step about 3.0 per weight element (H200, README).
 
-Scales: the program's [64, K/32] scale bytes are loaded once (one TMA) and read per step.
-
-``MosaicBlocks`` has four options for the next speed steps (warpgroups sharing the x tile, one wgmma in
-flight, out [M, N] written by the kernel, x gathered into the permuted order in the kernel), off by
-default and unmeasured on a GPU (README).
+Scales: the program's [64, K/32] scale bytes are loaded once (one TMA) and read per step. A slot is
+refilled after a warpgroup barrier without a memory fence (its tiles were only read).
 
 In interpret mode (CPU) the register decode runs as ``_decode_emulated``: the same words, shifts,
 masks and register-to-column map in jnp, and the wgmma is a jnp matrix product (the interpreter's
