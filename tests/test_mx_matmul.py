@@ -178,6 +178,16 @@ def test_fused_moe_matches_dense_reference(tokens):
         fused_moe_mx(x, w1, w3, w1, weights, experts, situ)
 
 
+def test_fused_moe_lowers_for_cuda_through_triton():
+    """Pallas' Triton lowering of the fused MoE (x's even / odd columns by strided loads), on the CPU."""
+    E, F, R, k = 4, 64, 256, 2
+    w1, w2 = MXTensor.quantize(jnp.ones((E, F, R))), MXTensor.quantize(jnp.ones((E, R, F)))
+    fn = lambda x, weights, experts: fused_moe_mx(x, w1, w1, w2, weights, experts, situ, interpret=False)
+    args = [jax.ShapeDtypeStruct((1, R), jnp.bfloat16), jax.ShapeDtypeStruct((1, k), jnp.float32),
+            jax.ShapeDtypeStruct((1, k), jnp.int32)]
+    assert "xla.gpu.triton" in jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
 # Mosaic GPU kernel (mosaic_gpu.py): interpret mode on CPU (its register decode as the jnp twin with the
 # same words, masks and register-to-column map), and Pallas' Mosaic GPU lowering for CUDA on the CPU.
 MOSAIC_128 = MXBlocks(bk=128, num_stages=2, mosaic_gpu=True)

@@ -36,38 +36,39 @@ from pallas_kernels.mx_matmul.kernel import SCALE_BLOCK_BYTES, MXBlocks, _gpu_co
 from pallas_kernels.mx_matmul.ops import _largest_pow2_divisor
 
 
-def _one_row_products(codes_at, scales_at, x_refs, token, n_steps: int, bk: int, method: str, interpret: bool):
+def _one_row_products(codes_at, scales_at, x_ref, token, n_steps: int, bk: int, method: str, interpret: bool):
     """float32 [rows] = sum over loop steps i of decoded w tiles [rows, bk/2] (even, odd planes) times
-    the matching x planes of ``token``; codes_at(i), scales_at(i) load step i's tiles."""
+    the matching even / odd columns of x's row ``token`` (strided loads); codes_at(i), scales_at(i) load
+    step i's tiles."""
     half = bk // 2
 
     def step(i, acc):
-        cols = pl.ds(pl.multiple_of(i * half, half), half)
+        first = pl.multiple_of(i * bk, bk)
         planes = decode_weight_planes(codes_at(i), scales_at(i), method, interpret)
-        for x_ref, w in zip(x_refs, planes):
-            acc = acc + w.astype(jnp.float32) * x_ref[token, cols].astype(jnp.float32)[None, :]
+        for parity, w in enumerate(planes):
+            x = x_ref[token, pl.ds(first + parity, half, stride=2)]
+            acc = acc + w.astype(jnp.float32) * x.astype(jnp.float32)[None, :]
         return acc
 
     rows = codes_at(0).shape[0]
     return jnp.sum(jax.lax.fori_loop(0, n_steps, step, jnp.zeros((rows, half), jnp.float32)), axis=1)
 
 
-def _fused_moe_kernel(experts_ref, weights_ref, x_even_ref, x_odd_ref, w1c_ref, w1s_ref, w3c_ref, w3s_ref,
+def _fused_moe_kernel(experts_ref, weights_ref, x_ref, w1c_ref, w1s_ref, w3c_ref, w3s_ref,
                       w2c_ref, w2s_ref, y_init_ref, y_ref, *, k: int, bf: int, bk: int, br: int, act,
                       h_dtype, method: str, interpret: bool):
-    """Refs: experts, weights [T*k]; x_even, x_odd [T, R/2]; w1, w3 codes [E, F/2, 2, R/32, 16] and
-    scales [..., 1]; w2 codes [E, R, F/32, 16] and scales [..., 1]; y [T, R] float32 (aliased to
-    y_init, zeros). Program (pair, block of bf hidden units)."""
+    """Refs: experts, weights [T*k]; x [T, R] bf16; w1, w3 codes [E, F/2, 2, R/32, 16] and scales
+    [..., 1]; w2 codes [E, R, F/32, 16] and scales [..., 1]; y [T, R] float32 (aliased to y_init,
+    zeros). Program (pair, block of bf hidden units)."""
     pair, block = pl.program_id(0), pl.program_id(1)
     expert, token, weight = experts_ref[pair], pair // k, weights_ref[pair]
-    x_refs = (x_even_ref, x_odd_ref)
-    R = 2 * x_even_ref.shape[1]
+    R = x_ref.shape[1]
     rows = pl.ds(pl.multiple_of(block * (bf // 2), bf // 2), bf // 2)
     g = bk // BLOCK
 
     def project(codes_ref, scales_ref, parity):
         at = lambda ref: lambda i: ref[expert, rows, parity, pl.ds(pl.multiple_of(i * g, g), g), :]
-        return _one_row_products(at(codes_ref), at(scales_ref), x_refs, token, R // bk, bk, method, interpret)
+        return _one_row_products(at(codes_ref), at(scales_ref), x_ref, token, R // bk, bk, method, interpret)
 
     def hidden(parity):
         gate = project(w1c_ref, w1s_ref, parity).astype(h_dtype)
@@ -109,11 +110,11 @@ def _fused_moe_mx(x, w1, w3, w2, weights, experts, *, act, blocks, bf, br, inter
         kernel,
         out_shape=jax.ShapeDtypeStruct((T, R), jnp.float32),
         grid=(T * k, F // bf),
-        input_output_aliases={10: 0},
+        input_output_aliases={9: 0},
         compiler_params=_gpu_compiler_params(blocks, interpret),
         interpret=interpret,
         name="fused_moe_mx",
-    )(experts.reshape(-1).astype(jnp.int32), weights.reshape(-1).astype(jnp.float32), xb[:, 0::2], xb[:, 1::2],
+    )(experts.reshape(-1).astype(jnp.int32), weights.reshape(-1).astype(jnp.float32), xb,
       *_stack_views(w1, True), *_stack_views(w3, True), *_stack_views(w2, False), jnp.zeros((T, R), jnp.float32))
     return y.astype(x.dtype)
 
