@@ -1,6 +1,7 @@
 """MX matmul benchmark on one GPU: our Pallas kernels against XLA peers, in one run.
 
     python3 benchmarks/mx_matmul.py [--quick] [--skip check,dense,grouped,moe] [--only decode] [--moe-sweep]
+                                    [--moe-shape K3|mini]
 
 ``--only decode``: the batch-1 question in about three minutes: a shorter correctness section (default,
 one-row gemv and Mosaic GPU paths), dense M = 1 and 16 (the Triton default tiles, the default gemv,
@@ -463,19 +464,26 @@ def bench_grouped(key, quick: bool, focus: bool) -> None:
 
 
 MOE_SHAPES = {"K3": ((896, 3072, 3584, 16), (1, 2, 4, 8)), "mini": ((64, 768, 1024, 8), (1, 8))}
-MOE_SWEEP = [(dataclasses.replace(FUSED_MOE_BLOCKS, bn=bn, bk=bk, num_warps=nw), rows)
-             for bn in (32, 64) for bk in (256, 1024) for rows in (128, 512) for nw in (4, 8)]
+# (hidden units, contracted elements, down-projection rows per atomic add, warps, stages) per program:
+# the fifth session's sweep at mini's shape (benchmarks/RESULTS.md), around today's default
+MOE_SWEEP = [(dataclasses.replace(FUSED_MOE_BLOCKS, bn=bn, bk=bk, num_warps=nw, num_stages=st), rows)
+             for bn, bk, rows, nw, st in [
+                 (32, 256, 128, 2, 2), (32, 512, 128, 4, 2), (32, 1024, 128, 4, 2), (32, 1024, 128, 8, 2),
+                 (32, 1024, 256, 4, 2), (32, 1024, 512, 8, 2), (32, 1024, 1024, 8, 2), (32, 512, 256, 4, 1),
+                 (32, 1024, 256, 4, 1), (32, 1024, 64, 4, 2), (32, 256, 64, 2, 2), (64, 1024, 256, 8, 2),
+                 (64, 512, 128, 4, 2), (32, 1024, 256, 2, 2), (32, 512, 512, 4, 2), (32, 256, 256, 4, 3)]]
 MOE_LOOP = 20  # calls per jitted loop: small kernels are timed without host dispatch
 
 
-def bench_moe(key, quick: bool, sweep: bool) -> None:
+def bench_moe(key, quick: bool, sweep: bool, shapes: tuple[str, ...] = tuple(MOE_SHAPES)) -> None:
     """One MoE layer's routed experts at decode sizes (K3: 896 experts, 16 per token, latent 3584,
     hidden 3072; `mini`: 64, 8, 1024, 768; SiTU): the fused one-kernel MoE against the sorted
     dispatch through the grouped kernel (argsort, gather, three grouped calls, scatter), each
     repeated ``MOE_LOOP`` times inside one jitted loop. ``sweep``: at one token, the fused kernel's
     tiles too (``MOE_SWEEP``: hidden units and contracted elements per program, down-projection rows per atomic
     add, warps)."""
-    for name, ((e, f, r, top_k), token_counts) in MOE_SHAPES.items():
+    for name in shapes:
+        (e, f, r, top_k), token_counts = MOE_SHAPES[name]
         print(f"== MoE layer (routed, {name}): {e} experts, top {top_k}, {r} -> {f} -> {r}", flush=True)
         k1, k3, k2, kx, kr = jax.random.split(jax.random.fold_in(key, 7), 5)
         stacks = (random_mx(k1, (e, f, r)), random_mx(k3, (e, f, r)), random_mx(k2, (e, r, f)))
@@ -528,6 +536,8 @@ def main() -> None:
     parser.add_argument("--only", choices=["decode"], help="decode: batch-1 rows only (module docstring)")
     parser.add_argument("--profile", action="store_true", help="one call per decode kernel, for ncu")
     parser.add_argument("--moe-sweep", action="store_true", help="section moe: the fused MoE's tiles too")
+    parser.add_argument("--moe-shape", choices=sorted(MOE_SHAPES), action="append",
+                        help="section moe: only this layer shape (repeatable; default all)")
     args = parser.parse_args()
     if args.profile:
         profile_calls()
@@ -539,7 +549,7 @@ def main() -> None:
     for name, fn in [("check", lambda: check_correctness(key, focus)),
                      ("dense", lambda: bench_dense(key, args.quick, focus)),
                      ("grouped", lambda: bench_grouped(key, args.quick, focus)),
-                     ("moe", lambda: bench_moe(key, args.quick, args.moe_sweep))]:
+                     ("moe", lambda: bench_moe(key, args.quick, args.moe_sweep, tuple(args.moe_shape or MOE_SHAPES)))]:
         if name in skip:
             continue
         try:
