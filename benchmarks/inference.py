@@ -1,7 +1,7 @@
 """Decode-step time of the `mini` preset against its memory floor, and 8K-token prefill throughput
 against the GPU's measured bf16 matmul rate. Ceilings are measured in the same run.
 
-    python3 benchmarks/inference.py [--impl pallas] [--batches 1,8,64]
+    python3 benchmarks/inference.py [--impl pallas] [--batches 1,8,64] [--matvec-rows N]
 
 Floor per decode step = (bytes of weights touched + cache bytes read and written) / copy bandwidth,
 where the weights touched are every non-expert weight (bf16), one embedding row, and the distinct
@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from k3jax import Generator, K3Model, preset, use_implementation
+from k3jax.layers import basic
 from k3jax.memory import MXFP4_BYTES
 from k3jax.param_count import count_params
 
@@ -66,9 +67,14 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--prefill", type=int, default=8192, help="prompt tokens of the prefill timing (0: skip)")
     ap.add_argument("--preset", default="mini")
+    ap.add_argument("--matvec-rows", type=int, default=None,
+                    help="rows up to which the layers' projections take the one-kernel matvecs on the Pallas path "
+                    "(k3jax.layers.basic.MATVEC_KERNEL_ROWS; default: the library's)")
     ap.add_argument("--profile", default="", help="XLA dump folder (set XLA_FLAGS to dump there; see "
                     "kernel_profile.py): print where the device time of a decode step and a prefill chunk goes")
     args = ap.parse_args()
+    if args.matvec_rows is not None:
+        basic.MATVEC_KERNEL_ROWS = args.matvec_rows  # read when a step is traced
     bw, rate = ceilings()
     print(f"device {jax.devices()[0].device_kind}: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TF/s")
     cfg = preset(args.preset)
