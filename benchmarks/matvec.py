@@ -12,8 +12,8 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from benchmarks.kda import rel_err
 from pallas_kernels.matvec import MatvecBlocks, matvecs
 
 BUDGET_S = float(sys.argv[1]) if len(sys.argv) > 1 else 170.0
@@ -69,11 +69,6 @@ def time_loop(loop, x, sets, reps=7):
         jax.block_until_ready(loop(x, sets))
         times.append(time.perf_counter() - t0)
     return statistics.median(times) / (ITERS * SETS) * 1e6, compile_s
-
-
-def rel_err(a, b):
-    a, b = np.float64(a), np.float64(b)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 rows = []
