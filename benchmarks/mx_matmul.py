@@ -198,19 +198,17 @@ def mosaic_configs(m: int) -> list[MXBlocks]:
 
 
 def mosaic_option_configs(m: int) -> list:
-    """The Mosaic GPU kernel at 64x256 s2 with and without ``out_mn``, and the stream-K split at 3 and 4
-    programs per SM (``mosaic_gpu.MosaicBlocks``), each timed in the same run; M <= 64, JAX >= 0.11 only."""
+    """The Mosaic GPU kernel at 64x256 s2 with and without ``out_mn`` (``mosaic_gpu.MosaicBlocks``; the
+    default takes it at M = 1 only), each timed in the same run; M <= 64, JAX >= 0.11 only."""
     if not MOSAIC_GPU or m > 64:
         return []
     from pallas_kernels.mx_matmul.mosaic_gpu import MosaicBlocks
 
-    return [MosaicBlocks(256, 2), MosaicBlocks(256, 2, out_mn=True), MosaicBlocks(256, 2, programs_per_sm=4),
-            MosaicBlocks(256, 2, programs_per_sm=3)]
+    return [MosaicBlocks(256, 2), MosaicBlocks(256, 2, out_mn=True)]
 
 
 def mosaic_option_label(b) -> str:
-    kind = f"stream-K {b.programs_per_sm}/SM" if b.programs_per_sm else "out_mn" if b.out_mn else "plain"
-    return f"mosaic_gpu 64x{b.bk} s{b.stages} {kind}"
+    return f"mosaic_gpu 64x{b.bk} s{b.stages} {'out_mn' if b.out_mn else 'plain'}"
 
 
 def bench_mosaic_options(case: str, x, w: MXTensor, ref, flops: float, wbytes: float) -> None:

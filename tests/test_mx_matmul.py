@@ -239,8 +239,7 @@ def test_mosaic_gpu_lowers_for_cuda():
     """The decode shape's kernel through Pallas' Mosaic GPU lowering for CUDA (inline PTX, wgmma, TMA)."""
     from pallas_kernels.mx_matmul.mosaic_gpu import MosaicBlocks, mx_matmul_mosaic
 
-    for m, blocks in [(16, MosaicBlocks(128, 3)), (16, MosaicBlocks(256, 2)), (1, MosaicBlocks(256, 2, out_mn=True)),
-                      (16, MosaicBlocks(256, 2, programs_per_sm=4))]:
+    for m, blocks in [(16, MosaicBlocks(128, 3)), (16, MosaicBlocks(256, 2)), (1, MosaicBlocks(256, 2, out_mn=True))]:
         args = [jax.ShapeDtypeStruct(s, d) for s, d in
                 [((m, 3584), jnp.bfloat16), ((4096, 1792), jnp.uint8), ((4096, 112), jnp.uint8)]]
         fn = lambda x, c, s, b=blocks: mx_matmul_mosaic(x, c, s, blocks=b)
@@ -262,38 +261,9 @@ def test_mosaic_gpu_out_mn_matches_reference(bk, stages, m, n):
     assert rel_err(out, mx_matmul_reference(x, w)) < 1e-5
 
 
-# Stream-K (interpret mode: one multiprocessor, so programs_per_sm programs). (bk, stages, programs, m, n, k):
-# 2 tiles x 9 steps over 7 programs (a tile over three or four programs, ranges of 2-3 items);
-# 4 tiles x 1 step over 3 programs at 3 stages (n_steps < stages: stages + 1 scale slots; K padded);
-# 4 tiles x 3 steps over 5 programs, 13 rows.
-@pytest.mark.parametrize("bk,stages,programs,m,n,k", [(128, 2, 7, 1, 100, 1152), (256, 3, 3, 7, 256, 160),
-                                                      (256, 2, 5, 13, 200, 544)])
-def test_mosaic_gpu_stream_k_matches_reference(bk, stages, programs, m, n, k):
-    from pallas_kernels.mx_matmul.mosaic_gpu import MosaicBlocks, interpret_params, mx_matmul_mosaic
-
-    w = MXTensor.quantize(jax.random.normal(jax.random.key(60 + m), (n, k)) * 0.05)
-    x = bf16_normal(jax.random.key(61 + m), (m, k))
-    blocks = MosaicBlocks(bk, stages, programs_per_sm=programs)
-    out = mx_matmul_mosaic(x, w.codes, w.scales, blocks=blocks, interpret=interpret_params())
-    assert out.shape == (m, n) and out.dtype == jnp.float32
-    assert rel_err(out, mx_matmul_reference(x, w)) < 1e-5
-
-
-def test_mosaic_stream_k_split_covers_every_work_item_once():
-    from pallas_kernels.mx_matmul.mosaic_gpu import _stream_k_split
-
-    n_tiles, n_steps, n_programs = 5, 3, 4
-    n_segments, index, valid = _stream_k_split(n_tiles, n_steps, n_programs)
-    bounds = np.arange(n_programs + 1) * n_tiles * n_steps // n_programs
-    owner = np.searchsorted(bounds, np.arange(n_tiles * n_steps), side="right") - 1  # program of each item
-    for tile in range(n_tiles):
-        programs = sorted(set(owner[tile * n_steps:(tile + 1) * n_steps]))
-        assert sorted(index[tile][valid[tile]] // n_segments) == programs
-
-
 def test_mosaic_blocks_reject_bad_options():
     from pallas_kernels.mx_matmul.mosaic_gpu import MosaicBlocks
 
-    for bad in [dict(bk=512), dict(stages=0), dict(programs_per_sm=-1)]:
+    for bad in [dict(bk=512), dict(stages=0)]:
         with pytest.raises(ValueError):
             MosaicBlocks(**bad)

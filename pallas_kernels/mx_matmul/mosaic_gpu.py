@@ -23,7 +23,11 @@ uniform. That register is column pair t of the A operand, so contracted index k 
 instructions of a word (8 elements); the whole step about 3.0 per weight element (H200, README).
 
 Scales: the program's [64, K/32] scale bytes are loaded once (one TMA) and read per step. A slot is
-refilled after a warpgroup barrier without a memory fence (its tiles were only read).
+refilled after a warpgroup barrier without a memory fence (its tiles were only read). Pallas' automatic
+warpgroup barriers (one before every TMA copy and around shared-memory stores) are off
+(``unsafe_no_auto_barriers``): that refill barrier orders the reads before a copy into their slot, and
+``commit_smem`` (fence and barrier) the output tile's stores before its copy out; each slot is read only
+after its mbarrier wait, and no thread reads what it writes.
 
 In interpret mode (CPU) the register decode runs as ``_decode_emulated``: the same words, shifts,
 masks and register-to-column map in jnp, and the wgmma is a jnp matrix product (the interpreter's
@@ -69,11 +73,10 @@ class MosaicBlocks:
     bk: int = 256
     stages: int = 2
     out_mn: bool = False
-    programs_per_sm: int = 0
 
     def __post_init__(self):
-        if self.bk not in (128, 256) or self.stages < 1 or self.programs_per_sm < 0:
-            raise ValueError(f"bk must be 128 or 256, stages >= 1 and programs_per_sm >= 0, got {self}")
+        if self.bk not in (128, 256) or self.stages < 1:
+            raise ValueError(f"bk must be 128 or 256 and stages >= 1, got {self}")
 
 
 def _slot_sources(p, bk: int):
@@ -355,154 +358,6 @@ def _kernel(codes_g, scales_g, x_g, out_g, codes_s, scales_s, x_s, out_s, bars, 
     plgpu.wait_smem_to_gmem(0)
 
 
-def _stream_k_kernel(codes_g, scales_g, x_g, parts_g, codes_s, scales_s, x_s, out_s, bars, scale_bars, *,
-                     n_steps: int, n_programs: int, n_segments: int, m: int, blocks: MosaicBlocks, interpret: bool):
-    """One program of the stream-K split: the work items [start, end) of the flattened (64-row tile, k step)
-    list, in one TMA pipeline across tile boundaries. Each tile's part (segment j of the program) is
-    accumulated from zero and stored transposed, [M, 64], as ``parts_g[program * n_segments + j]``;
-    ``_combine_parts`` adds the parts of each tile outside. A tile's scale bytes come in with its first
-    work item's tiles, into one of ``scales_s.shape[0]`` slots (one per tile in flight)."""
-    bk, stages = blocks.bk, blocks.stages
-    n_work = (codes_g.shape[0] // ROWS) * n_steps
-    program = jax.lax.axis_index("programs")
-    start, end = program * n_work // n_programs, (program + 1) * n_work // n_programs
-    first_tile = start // n_steps
-    end_tile = jnp.where(end > start, (end + n_steps - 1) // n_steps, first_tile)
-    n_scale_slots, n_scale_cols = scales_s.shape[0], scales_s.shape[2]
-    scale_slot = lambda tile: jax.lax.rem(tile - first_tile, n_scale_slots)
-
-    def fetch(w, slot):
-        tile, step = w // n_steps, jax.lax.rem(w, n_steps)
-        rows = pl.ds(tile * ROWS, ROWS)
-
-        @pl.when((step == 0) | (w == start))
-        def _():
-            s = scale_slot(tile)
-            for c0 in range(0, n_scale_cols, _TMA_MAX_BOX):
-                cols = pl.ds(c0, min(_TMA_MAX_BOX, n_scale_cols - c0))
-                plgpu.copy_gmem_to_smem(scales_g.at[rows, cols], scales_s.at[s, :, cols], scale_bars.at[s])
-
-        plgpu.copy_gmem_to_smem(codes_g.at[rows, pl.ds(step * (bk // 2), bk // 2)], codes_s.at[slot], bars.at[slot])
-        plgpu.copy_gmem_to_smem(x_g.at[:, pl.ds(step * bk, bk)], x_s.at[slot], bars.at[slot])
-
-    for i in range(stages):
-        @pl.when(start + i < end)
-        def _():
-            fetch(start + i, i)
-
-    decode = None if interpret else _decode_registers(bk)
-    barrier = None if interpret else _warpgroup_barrier()
-
-    def release(w, slot):
-        """Work item w's tiles are read: once every thread is past its reads, refill the slot with w + stages."""
-        @pl.when(w + stages < end)
-        def _():
-            if not interpret:
-                barrier()
-            fetch(w + stages, slot)
-
-    def flush(tile, acc):
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last flush's copy has read out_s
-        if interpret:
-            out_s[...] = acc.T
-        else:
-            _store_transposed()(acc, out_s)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_s.at[pl.ds(0, m)], parts_g.at[program * n_segments + tile - first_tile])
-
-    def segment(tile, _):
-        lo, hi = jnp.maximum(start, tile * n_steps), jnp.minimum(end, (tile + 1) * n_steps)
-        s = scale_slot(tile)
-        plgpu.barrier_wait(scale_bars.at[s])
-
-        def tiles(w, slot):
-            scales = scales_s.at[s, :, pl.ds(jax.lax.rem(w, n_steps) * (bk // BLOCK), bk // BLOCK)]
-            plgpu.barrier_wait(bars.at[slot])
-            if interpret:
-                return _decode_emulated(codes_s[slot], scales[...], bk), x_s[slot]
-            return decode(codes_s.at[slot], scales), None
-
-        if interpret:
-            def step_fn(w, acc):
-                slot = jax.lax.rem(w - start, stages)
-                wt, x = tiles(w, slot)
-                acc = acc + jnp.dot(wt, x.T, preferred_element_type=_F32)
-                release(w, slot)
-                return acc
-
-            acc = jax.lax.fori_loop(lo, hi, step_fn, jnp.zeros((ROWS, x_s.shape[1]), _F32))
-        else:
-            def accumulate(acc_ref):
-                def step_fn(w, _):
-                    slot = jax.lax.rem(w - start, stages)
-                    wt, _ = tiles(w, slot)
-                    plgpu.wgmma(acc_ref, wt, plgpu.transpose_ref(x_s.at[slot], (1, 0)))
-                    plgpu.wgmma_wait(0)  # the A registers are rewritten by the next step's decode
-                    release(w, slot)
-                    return ()
-
-                jax.lax.fori_loop(lo, hi, step_fn, ())
-                return acc_ref[...]
-
-            acc = pl.run_scoped(accumulate, plgpu.ACC((ROWS, x_s.shape[1]), _F32))
-        flush(tile, acc)
-        return ()
-
-    jax.lax.fori_loop(first_tile, end_tile, segment, ())
-    plgpu.wait_smem_to_gmem(0)
-
-
-def _multiprocessors(interpret) -> int:
-    """The GPU's multiprocessor count (1 in interpret mode, or when lowering for a GPU on a CPU)."""
-    return 1 if interpret else getattr(jax.devices()[0], "core_count", 1)
-
-
-def _stream_k_split(n_tiles: int, n_steps: int, n_programs: int) -> tuple[int, np.ndarray, np.ndarray]:
-    """Program p takes work items [p W / P, (p + 1) W / P) of W = n_tiles x n_steps. Returns the most
-    segments (tiles) of one program S, and per tile the part indices p S + j that hold its sums [T, C]
-    (padded with 0) with their validity mask [T, C]."""
-    bounds = np.arange(n_programs + 1) * (n_tiles * n_steps) // n_programs
-    first, end = bounds[:-1] // n_steps, -(-bounds[1:] // n_steps)
-    n_segments = int((end - first).max())
-    parts = [[] for _ in range(n_tiles)]
-    for p in range(n_programs):
-        for j, tile in enumerate(range(first[p], end[p])):
-            parts[tile].append(p * n_segments + j)
-    width = max(map(len, parts))
-    index = np.array([q + [0] * (width - len(q)) for q in parts], np.int32)
-    valid = np.array([[True] * len(q) + [False] * (width - len(q)) for q in parts])
-    return n_segments, index, valid
-
-
-def _mx_matmul_stream_k(codes, scales, x_in, *, m: int, kp: int, blocks: MosaicBlocks, interpret) -> Array:
-    """float32 [M, Np] from the padded operands: ``_stream_k_kernel``'s parts, added per tile by XLA."""
-    np_, mp, n_scale_cols = codes.shape[0], x_in.shape[0], scales.shape[1]
-    bk, stages, n_steps, n_tiles = blocks.bk, blocks.stages, kp // blocks.bk, codes.shape[0] // ROWS
-    n_programs = min(blocks.programs_per_sm * _multiprocessors(interpret), n_tiles * n_steps)
-    n_segments, index, valid = _stream_k_split(n_tiles, n_steps, n_programs)
-    # Slots for the scales of every tile that can be in flight: a program's middle tiles are whole, so with
-    # n_steps >= stages a refill reaches at most one tile past the one being read.
-    n_scale_slots = 2 if n_steps >= stages else stages + 1
-    scratch = [
-        plgpu.SMEM((stages, ROWS, bk // 2), jnp.uint8),
-        plgpu.SMEM((n_scale_slots, ROWS, n_scale_cols), jnp.uint8),
-        plgpu.SMEM((stages, mp, bk), _BF16, transforms=_x_tile_transforms()),
-        plgpu.SMEM((mp, ROWS), _F32),
-        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=-(-n_scale_cols // _TMA_MAX_BOX), num_barriers=n_scale_slots),
-    ]
-    kernel = functools.partial(_stream_k_kernel, n_steps=n_steps, n_programs=n_programs, n_segments=n_segments,
-                               m=m, blocks=blocks, interpret=bool(interpret))
-    parts = plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((n_programs * n_segments, m, ROWS), _F32), scratch_types=scratch,
-        grid=(n_programs,), grid_names=("programs",),
-        compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=True), interpret=interpret or None,
-    )(codes, scales, x_in)
-    # Unwritten parts (programs with fewer segments) are never read: selected away, not multiplied.
-    tiles = jnp.where(jnp.asarray(valid)[:, :, None, None], parts[jnp.asarray(index)], 0).sum(axis=1)  # [T, M, 64]
-    return tiles.transpose(1, 0, 2).reshape(m, np_)
-
-
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
@@ -537,9 +392,6 @@ def mx_matmul_mosaic(x: Array, codes: Array, scales: Array, *, blocks: MosaicBlo
     scales = _pad2(scales, np_, n_scale_cols, ZERO_BLOCK_SCALE_BYTE)
     columns = (np.arange(kp) // bk) * bk + np.tile(k_permutation(bk), kp // bk)
     x_in = _pad2(x.astype(_BF16), mp, kp, 0)[:, columns]
-    if blocks.programs_per_sm:
-        return _mx_matmul_stream_k(codes, scales, x_in, m=m, kp=kp, blocks=blocks,
-                                   interpret=interpret)[:, :n].astype(out_dtype)
     scratch = [
         plgpu.SMEM((stages, ROWS, bk // 2), jnp.uint8),
         plgpu.SMEM((ROWS, n_scale_cols), jnp.uint8),
