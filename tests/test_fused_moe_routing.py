@@ -6,13 +6,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax.functional.moe import select_experts, situ
+from k3jax.functional.moe import moe_dense, select_experts, situ
 from k3jax.mx import MXTensor
 from pallas_kernels.mx_matmul import fused_moe_mx
 from pallas_kernels.mx_matmul.moe import routed_moe_mx
 from reference_numpy import rel_err
 
-E, F, R, K = 12, 64, 96, 3  # E pads to 16 in the kernel; F: two programs of 32 hidden units; R: 3 scale blocks
+# E pads to 16 in the kernel; F: two programs of 32 hidden units; R: two scale blocks, so each program's
+# gate / up and down projections are one step each (straight-line code; test_mx_matmul.py's fused MoE
+# tests cover the loops)
+E, F, R, K = 12, 64, 64, 3
 TIED = jnp.array([2, 5, 7, 9])  # token 2's four equal best scores: top 3 are the lower indices 2, 5, 7
 
 
@@ -35,7 +38,8 @@ def router():
 
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_routed_equals_select_then_fused(stacks, router, renormalize):
-    """Same experts (ties included), weights equal to float32 rounding, so the same sums."""
+    """Same experts (ties included), weights equal to float32 rounding, so the same sums; and both
+    equal every expert on every token combined by the reference weights (float32, decoded weights)."""
     logits, bias = router
     x = jax.random.normal(jax.random.key(32), (3, R), jnp.float32).astype(jnp.bfloat16).astype(jnp.float32)
     weights, experts = select_experts(logits, bias, K, renormalize, 2.5)
@@ -44,6 +48,8 @@ def test_routed_equals_select_then_fused(stacks, router, renormalize):
     ref = fused_moe_mx(x, *stacks, weights, experts, situ)
     assert out.shape == (3, R) and out.dtype == jnp.float32
     assert rel_err(out, ref) < 1e-6
+    dense = moe_dense(x, *(w.decode(jnp.float32) for w in stacks), weights, experts, situ)
+    assert rel_err(out, dense) < 1e-5
 
 
 def test_x_is_rounded_to_bf16_inside(stacks, router):
