@@ -96,15 +96,17 @@ class DecoderLayer(nnx.Module):
         possibly traced) says this layer starts a block. Returns the new carry, the two mixes'
         weights [2, N+1, B, T] and the layer's cache."""
         blocks, n, partial = carry
+        h = self.self_attention_res.deferred(blocks, n, partial)  # computed by its reader (``project``)
         with jax.named_scope("attn_res"):
-            h, w_attn = self.self_attention_res(blocks, n, partial)
+            w_attn = h.weights()
         slot = jax.lax.dynamic_index_in_dim(blocks, n, axis=0, keepdims=False)
         blocks = jax.lax.dynamic_update_index_in_dim(blocks, jnp.where(commit, partial, slot), n, axis=0)
         n = n + commit.astype(n.dtype)
         a, cache = self.attention(h, cache, ctx)
         partial = jnp.where(commit, jnp.zeros_like(partial), partial) + a
+        h = self.mlp_res.deferred(blocks, n, partial)
         with jax.named_scope("attn_res"):
-            h, w_mlp = self.mlp_res(blocks, n, partial)
+            w_mlp = h.weights()
         return (blocks, n, partial + self.ffn(h)), jnp.stack([w_attn, w_mlp]), cache
 
 

@@ -208,11 +208,13 @@ def test_invalid_sampling_values(kwargs, match):
 
 def test_pallas_batch_one_decode_matvec_kernel_equals_einsums(monkeypatch):
     """The Pallas path end to end at batch 1 (kernels in interpret mode: chunked KDA prefill, the KDA
-    decode step, expert selection, the fused MoE), decode steps with the one-row matvec kernel (norms
-    inside) against the same steps with XLA's einsums, from one prefilled cache (tiny: every K3
-    feature). The Pallas path itself differs from the reference by bf16 inside the KDA kernels, which
-    tiny's random 14-layer stack amplifies to percents; the two decode forms differ only in float32
-    summation order."""
+    decode step, expert selection, the fused MoE), decode steps with the one-row matvec kernel (AttnRes
+    mixes and norms inside) against the same steps with XLA's einsums, from one prefilled cache (tiny:
+    every K3 feature). The Pallas path itself differs from the reference by bf16 inside the KDA
+    kernels, which tiny's random 14-layer stack amplifies to percents. The two decode forms differ in
+    float32 summation order only, but that can round a KDA kernel's bf16 input one ulp apart (seen:
+    one step of three at 6e-4, the others below 4e-6); a wrong mix moves the logits by tens of
+    percents (checked: mixing the unused blocks too, 32-99%; the blocks reversed, 124-151%)."""
     built = build("tiny")
     seq = sequences(built.cfg, seed=3)[0, :10]
     steps = {}
@@ -230,4 +232,4 @@ def test_pallas_batch_one_decode_matvec_kernel_equals_einsums(monkeypatch):
                 logits.append(step_logits[0])
             steps[name] = logits
     for got, want in zip(steps["kernel"], steps["einsums"]):
-        assert rel_err(got, want) < 1e-4
+        assert rel_err(got, want) < 2e-3

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from k3jax.functional.attn_res import attn_res_mix
+from k3jax.functional.attn_res import DepthMix
 from k3jax.layers.basic import RMSNorm
 from k3jax.typing import Array
 
@@ -23,12 +23,14 @@ class AttnRes(nnx.Module):
         self.norm = RMSNorm(dim, eps, param_dtype=param_dtype)
         self.proj = _Query(dim, param_dtype)
 
+    def deferred(self, blocks: Array, n_blocks: Array | int, partial: Array) -> DepthMix:
+        """blocks [N, B, T, D] (first n_blocks valid), partial [B, T, D] -> the mix, for its reader to compute."""
+        return DepthMix(blocks, n_blocks, partial, self.norm.weight[...], self.proj.weight[...][0], self.norm.eps)
+
     def __call__(self, blocks: Array, n_blocks: Array | int, partial: Array) -> tuple[Array, Array]:
         """blocks [N, B, T, D] (first n_blocks valid), partial [B, T, D] -> (mix [B, T, D], weights [N+1, B, T])."""
-        out, weights = attn_res_mix(
-            blocks, n_blocks, partial, self.norm.weight[...], self.proj.weight[...][0], self.norm.eps
-        )
-        return out.astype(partial.dtype), weights
+        mix = self.deferred(blocks, n_blocks, partial)
+        return mix.value(), mix.weights()
 
 
 __all__ = ["AttnRes"]

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from k3jax.functional.attn_res import DepthMix
 from k3jax.functional.norms import rms_norm
 from k3jax.implementation import get_implementation
 from k3jax.typing import Array
@@ -72,22 +73,28 @@ def _matvec_kernel_fits(x: Array, weights: Sequence[Array], dtypes: Sequence) ->
     return 0 < rows <= MATVEC_KERNEL_ROWS and all(exact(w, dt) and exact(x, dt) for w, dt in zip(weights, dtypes))
 
 
-def project(x: Array, weights: Sequence[Array], dtypes: Sequence | None = None,
+def project(x: "Array | DepthMix", weights: Sequence[Array], dtypes: Sequence | None = None,
             norm: "RMSNorm | None" = None) -> list[Array]:
-    """x [..., D] (RMS-normed by ``norm`` first, when given) times each weight [N_i, D]^T, as
-    ``einsum(x.astype(dt), w.astype(dt))`` with dt = dtypes[i] (default x.dtype; float32 sums): what
-    ``Linear`` computes, or the router's float32 logits. The maps that read one input (a layer's
-    projections) go together so that, on the Pallas path for one row (batch-1 decode) off TPU, one
-    kernel computes them all, norm included (``pallas_kernels.matvec``), instead of one small kernel
-    each."""
+    """x [..., D] (a Block AttnRes ``DepthMix`` is mixed first; RMS-normed by ``norm``, when given)
+    times each weight [N_i, D]^T, as ``einsum(x.astype(dt), w.astype(dt))`` with dt = dtypes[i]
+    (default x.dtype; float32 sums): what ``Linear`` computes, or the router's float32 logits. The
+    maps that read one input (a layer's projections) go together so that, on the Pallas path for one
+    row (batch-1 decode) off TPU, one kernel computes them all, mix and norm included
+    (``pallas_kernels.matvec``), instead of one small kernel each."""
     dtypes = [x.dtype] * len(weights) if dtypes is None else list(dtypes)
     if _matvec_kernel_fits(x, weights, dtypes):
-        from pallas_kernels.matvec import matvecs
+        from pallas_kernels.matvec import DepthSources, matvecs
 
-        lead = x.shape[:-1]
+        lead, depth = x.shape[:-1], x.shape[-1]
         rms = None if norm is None else (norm.weight[...], norm.eps)
-        outs = matvecs(x.reshape(-1, x.shape[-1]), list(weights), dtypes, norm=rms)
+        mix = None
+        if isinstance(x, DepthMix):
+            blocks = x.blocks.reshape(x.blocks.shape[0], -1, depth)
+            mix, x = DepthSources(blocks, x.n_blocks, x.norm_weight, x.proj_weight, x.eps), x.partial
+        outs = matvecs(x.reshape(-1, depth), list(weights), dtypes, norm=rms, mix=mix)
         return [y.reshape(*lead, y.shape[-1]) for y in outs]
+    if isinstance(x, DepthMix):
+        x = x.value()
     if norm is not None:
         x = norm(x)
     return [jnp.einsum("...i,oi->...o", x.astype(dt), w.astype(dt), precision=_HI) for w, dt in zip(weights, dtypes)]
