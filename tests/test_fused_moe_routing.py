@@ -12,10 +12,7 @@ from pallas_kernels.mx_matmul import fused_moe_mx
 from pallas_kernels.mx_matmul.moe import routed_moe_mx
 from reference_numpy import rel_err
 
-# E pads to 16 in the kernel; F: two programs of 32 hidden units; R: two scale blocks, so each program's
-# gate / up and down projections are one step each (straight-line code; test_mx_matmul.py's fused MoE
-# tests cover the loops)
-E, F, R, K = 12, 64, 64, 3
+E, F, R, K = 12, 64, 64, 3  # E pads to 16 in the kernel; F: two programs of 32 hidden units
 TIED = jnp.array([2, 5, 7, 9])  # token 2's four equal best scores: top 3 are the lower indices 2, 5, 7
 
 

@@ -57,15 +57,14 @@ def _expert_matmul(x: Array, w: Array | MXTensor, group_sizes: Array) -> Array:
     return grouped_matmul(x, w, group_sizes)
 
 
-def _fused_decode(w: Array | MXTensor, tokens: int, experts_per_token: int) -> bool:
-    """The Pallas path's one-kernel MoE (expert selection inside) for a few (token, expert) pairs (decode)
-    on MXFP4 experts, where it measured faster than the sorted dispatch (``fused_moe_pays``); Triton's,
-    so not on a TPU."""
+def _fused_decode(w: Array | MXTensor, experts: Array) -> bool:
+    """The Pallas path's one-kernel MoE for a few (token, expert) pairs (decode) on MXFP4 experts,
+    where it measured faster than the sorted dispatch (``fused_moe_pays``); Triton's, so not on a TPU."""
     if not isinstance(w, MXTensor) or get_implementation() != "pallas" or jax.default_backend() == "tpu":
         return False
     from pallas_kernels.mx_matmul import fused_moe_pays
 
-    return fused_moe_pays(tokens * experts_per_token, experts_per_token, w.shape[1])
+    return fused_moe_pays(experts.size, experts.shape[-1], w.shape[1])
 
 
 def _dense(w: Array | MXTensor, dtype) -> Array:
@@ -125,28 +124,24 @@ class MoE(nnx.Module):
             return logits, rest[0], rest[1:]
         return logits, flat, rest
 
-    def _routed(self, z: Array, w1, w3, w2, weights: Array, experts: Array, mesh) -> Array:
-        """The routed experts on chosen (weights, experts): over the expert mesh, sorted or dense."""
-        if mesh is not None:
-            return moe_expert_parallel(z, w1, w3, w2, weights, experts, self.act, _expert_matmul, mesh)
-        if self.dispatch == "sorted":
-            return moe_sorted(z, w1, w3, w2, weights, experts, self.act, matmul=_expert_matmul)
-        w1, w3, w2 = (_dense(w, z.dtype) for w in (w1, w3, w2))
-        return moe_dense(z, w1, w3, w2, weights, experts, self.act)
-
     def __call__(self, x: Array, norm: RMSNorm | None = None) -> Array:
         """x [B, T, D] (RMS-normed by ``norm`` first, when given) -> [B, T, D]."""
         B, T, D = x.shape
         logits, z, shared = self._inputs(x.reshape(B * T, D), norm)
+        weights, experts = self._select(logits)
         w1, w3, w2 = (w.get_value() for w in (self.experts.w1, self.experts.w3, self.experts.w2))
-        mesh, cfg = expert_mesh(), self.cfg
-        if mesh is None and self.dispatch == "sorted" and _fused_decode(w1, B * T, cfg.experts_per_token):
-            from pallas_kernels.mx_matmul.moe import routed_moe_mx
+        mesh = expert_mesh()
+        if mesh is not None:
+            y = moe_expert_parallel(z, w1, w3, w2, weights, experts, self.act, _expert_matmul, mesh)
+        elif self.dispatch == "sorted" and _fused_decode(w1, experts):
+            from pallas_kernels.mx_matmul import fused_moe_mx
 
-            y = routed_moe_mx(z, w1, w3, w2, logits, self.gate.e_score_correction_bias[...], cfg.experts_per_token,
-                              cfg.renormalize, cfg.routed_scaling_factor, self.act)
+            y = fused_moe_mx(z, w1, w3, w2, weights, experts, self.act)
+        elif self.dispatch == "sorted":
+            y = moe_sorted(z, w1, w3, w2, weights, experts, self.act, matmul=_expert_matmul)
         else:
-            y = self._routed(z, w1, w3, w2, *self._select(logits), mesh)
+            w1, w3, w2 = (_dense(w, z.dtype) for w in (w1, w3, w2))
+            y = moe_dense(z, w1, w3, w2, weights, experts, self.act)
         if self.cfg.latent_size:
             norm = self.routed_expert_norm if self.cfg.latent_norm else None
             y = project(y, [self.routed_expert_up_proj.weight[...]], norm=norm)[0]

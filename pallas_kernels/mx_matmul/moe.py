@@ -8,24 +8,24 @@ those small kernels cost more than the weights take to stream. Here one program 
 a block of bf hidden units:
 
 1. gate and up for its bf rows of w1 and w3, by the one-row products of the MX kernels (decoded
-   codes times the matching even / odd columns of x on the CUDA cores, float32 sums), the four tiles
-   of a step (w1, w3, even and odd rows) in one loop. The rows are read as their even and odd halves
-   (a free view of the stack, [E, F/2, 2, ...]), so the hidden values come out split the way step 2
-   needs them;
+   codes times the matching even / odd columns of x on the CUDA cores, float32 sums). The rows are
+   read as their even and odd halves (a free view of the stack, [E, F/2, 2, ...]), so the hidden
+   values come out split the way step 2 needs them;
 2. h = act(gate, up), rounded to x's dtype as the reference's matmul outputs are;
 3. its bf columns of w2 (one or more 32-element scale blocks along F) times h, added into the
    float32 output rows of its token with atomic adds, scaled by the routing weight.
 
 The grid is (pairs, F / bf); programs of one pair read disjoint weights, so every routed weight
-byte is read once per pair. A loop of one step (bk = R, or one down step) is straight-line code, and
-a single down tile is loaded before gate and up: each program's loads can all be in flight at once
-instead of one DRAM round trip per projection. Interpret mode on CPU runs the same body (the decode emulated).
+byte is read once per pair. Interpret mode on CPU runs the same body (the decode emulated).
 
 ``routed_moe_mx(x, w1, w3, w2, logits, correction_bias, k, renormalize, scaling_factor, act)`` is the
 same kernel with the router's selection inside: each program runs its token's selection
 (``pallas_kernels.route.pick_experts``: k rounds of argmax over E scores) and keeps its pair's slot,
 so no separate selection kernel runs before it. x is read as given (float32 or bf16) and rounded to
-bf16 in the kernel.
+bf16 in the kernel. Measured at `mini`'s shape on the H200 (benchmarks/RESULTS.md, sixth session) it
+does not pay: the k rounds of cross-warp reductions in every program cost as much as the selection
+kernel they replace at 1 token (20.9 against 20.1 us) and more at 8 (105 against 76 us), so the MoE
+layer keeps ``pallas_kernels.route.select_experts`` then ``fused_moe_mx``.
 """
 
 from __future__ import annotations
@@ -46,37 +46,22 @@ from pallas_kernels.mx_matmul.ops import _largest_pow2_divisor
 from pallas_kernels.route import check_router, padded_router, pick_experts
 
 
-def _loop(n: int, body, init):
-    """fori_loop(0, n, body, init), or body(0, init) as straight-line code when n == 1 (one basic block,
-    so the compiler may issue every load of the program up front)."""
-    return body(0, init) if n == 1 else jax.lax.fori_loop(0, n, body, init)
-
-
-def _step_start(i, size: int):
-    """i * size, marked a multiple of size for the compiler when i is traced (a loop index)."""
-    return i * size if isinstance(i, int) else pl.multiple_of(i * size, size)
-
-
-def _one_row_products(tiles_at, weights: int, rows: int, x_ref, token, n_steps: int, bk: int, method: str,
-                      interpret: bool):
-    """[float32 [rows]] per weight: the sum over steps i of its decoded tile [rows, bk/2] (even, odd
-    planes) times the matching even / odd columns of x's row ``token`` (strided loads, rounded to bf16,
-    read once per step for all weights); tiles_at(i) loads step i's (codes, scales) tile of each weight."""
+def _one_row_products(codes_at, scales_at, x_ref, token, n_steps: int, bk: int, method: str, interpret: bool):
+    """float32 [rows] = sum over loop steps i of decoded w tiles [rows, bk/2] (even, odd planes) times
+    the matching even / odd columns of x's row ``token`` (strided loads, rounded to bf16); codes_at(i),
+    scales_at(i) load step i's tiles."""
     half = bk // 2
 
-    def step(i, accs):
-        first = _step_start(i, bk)
-        xs = [x_ref[token, pl.ds(first + parity, half, stride=2)].astype(jnp.bfloat16).astype(jnp.float32)
-              for parity in (0, 1)]
-        out = []
-        for acc, (codes, scales) in zip(accs, tiles_at(i)):
-            for w, x in zip(decode_weight_planes(codes, scales, method, interpret), xs):
-                acc = acc + w.astype(jnp.float32) * x[None, :]
-            out.append(acc)
-        return tuple(out)
+    def step(i, acc):
+        first = pl.multiple_of(i * bk, bk)
+        planes = decode_weight_planes(codes_at(i), scales_at(i), method, interpret)
+        for parity, w in enumerate(planes):
+            x = x_ref[token, pl.ds(first + parity, half, stride=2)].astype(jnp.bfloat16)  # x rounded to bf16
+            acc = acc + w.astype(jnp.float32) * x.astype(jnp.float32)[None, :]
+        return acc
 
-    zeros = tuple(jnp.zeros((rows, half), jnp.float32) for _ in range(weights))
-    return [jnp.sum(acc, axis=1) for acc in _loop(n_steps, step, zeros)]
+    rows = codes_at(0).shape[0]
+    return jnp.sum(jax.lax.fori_loop(0, n_steps, step, jnp.zeros((rows, half), jnp.float32)), axis=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,30 +97,29 @@ def _fused_moe_kernel(route_a_ref, route_b_ref, x_ref, w1c_ref, w1s_ref, w3c_ref
     expert, weight = _pair_route(route_a_ref, route_b_ref, pair, k, routing)
     R = x_ref.shape[1]
     rows = pl.ds(pl.multiple_of(block * (bf // 2), bf // 2), bf // 2)
-    f_blocks = pl.ds(pl.multiple_of(block * (bf // BLOCK), bf // BLOCK), bf // BLOCK)
     g = bk // BLOCK
 
-    def up_tiles(i):  # w1 and w3 for hidden units 2i, then 2i + 1 of the block: w2's even / odd columns
-        at = lambda ref, parity: ref[expert, rows, parity, pl.ds(_step_start(i, g), g), :]
-        stacks = ((w1c_ref, w1s_ref), (w3c_ref, w3s_ref))
-        return [(at(codes, parity), at(scales, parity)) for parity in (0, 1) for codes, scales in stacks]
+    def project(codes_ref, scales_ref, parity):
+        at = lambda ref: lambda i: ref[expert, rows, parity, pl.ds(pl.multiple_of(i * g, g), g), :]
+        return _one_row_products(at(codes_ref), at(scales_ref), x_ref, token, R // bk, bk, method, interpret)
 
-    def down_tile(j):
-        out_rows = pl.ds(_step_start(j, br), br)
-        return w2c_ref[expert, out_rows, f_blocks, :], w2s_ref[expert, out_rows, f_blocks, :]
+    def hidden(parity):
+        gate = project(w1c_ref, w1s_ref, parity).astype(h_dtype)
+        up = project(w3c_ref, w3s_ref, parity).astype(h_dtype)
+        return act(gate, up).astype(jnp.float32)
 
-    first_down = down_tile(0) if R // br == 1 else None  # one down step: its load issued before gate and up
-    gate0, up0, gate1, up1 = _one_row_products(up_tiles, 4, bf // 2, x_ref, token, R // bk, bk, method, interpret)
-    h = [act(gate.astype(h_dtype), up.astype(h_dtype)).astype(jnp.float32) for gate, up in ((gate0, up0), (gate1, up1))]
+    h = (hidden(0), hidden(1))  # hidden units 2i and 2i + 1 of the block: w2's even / odd columns
+    f_blocks = pl.ds(pl.multiple_of(block * (bf // BLOCK), bf // BLOCK), bf // BLOCK)
 
     def down(j, carry):
-        planes = decode_weight_planes(*(down_tile(j) if first_down is None else first_down), method, interpret)
+        out_rows = pl.ds(pl.multiple_of(j * br, br), br)
+        planes = decode_weight_planes(w2c_ref[expert, out_rows, f_blocks, :], w2s_ref[expert, out_rows, f_blocks, :],
+                                      method, interpret)
         y = sum(jnp.sum(w.astype(jnp.float32) * h_p[None, :], axis=1) for w, h_p in zip(planes, h))
-        out_rows = pl.ds(_step_start(j, br), br)
         pltriton.atomic_add(y_ref, (token, out_rows), weight * y)  # runs in interpret mode too
         return carry
 
-    _loop(R // br, down, 0)
+    jax.lax.fori_loop(0, R // br, down, 0)
 
 
 def _stack_views(w: MXTensor, rows_in_pairs: bool) -> tuple[Array, Array]:
