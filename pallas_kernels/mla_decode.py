@@ -16,6 +16,15 @@ rounded to the cache's dtype, products and sums in float32 (on the CUDA cores: a
 the kernel reads bytes, it has no matrix to multiply). The probabilities rounded are exp(s - running
 max) rather than the normalized softmax, so bf16 results differ from the reference by bf16 rounding.
 
+Measured (H200, 2026-11-30, benchmarks/RESULTS.md, issue 4, sixth session; mini's H 16, bf16): correct
+(rel err 5e-4 to 3e-3 against the XLA reference with bf16 operands, 4e-7 with float32 caches) but
+slower than XLA's ~18 kernels everywhere: 35 us against 19.5 at B 1, S 192 (the decode benchmark's
+window); 65 against 25 at B 1, S 4096 (16 splits); 396 against 53 at B 8, S 4096 (8 splits). Each
+program walks its weight blocks and cache blocks in a chain of dependent loads on one multiprocessor
+(16 programs at B 1 for 4 MB of kv_b), while XLA spreads every stage over the whole chip. So
+``MLA.extend`` does not call it; a faster form needs the weight work spread over more programs
+(q_lat and o as their own wide stages) and the heads of a sequence sharing each cache block.
+
 Limits: N, P, V, R powers of two (Triton's block widths; mini and K3 have 128, 64, 128, 512); S any
 size. Each program reads its split of the cache once per head, so long caches with many heads re-read
 c_kv H times (from L2 where it fits). On GPU the kernel lowers through Pallas' Triton backend; on CPU
@@ -36,7 +45,7 @@ from k3jax.implementation import pallas_interpret
 from k3jax.typing import Array
 
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
-TARGET_PROGRAMS = 264  # about two programs per H200 multiprocessor (132), for the automatic split count
+TARGET_PROGRAMS = 1024  # programs the automatic split count aims for (H200, S 4096: 16 splits at B 1, 8 at B 8)
 MIN_SPLIT = 256  # fewest cache positions per split, for the automatic split count
 
 

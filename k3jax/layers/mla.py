@@ -11,7 +11,6 @@ from flax import nnx
 
 from k3jax.config import MLAConfig
 from k3jax.functional.mla import absorbed_attention, causal_attention, mla_keys_values
-from k3jax.implementation import get_implementation
 from k3jax.layers.basic import Linear, RMSNorm, Rngs, project
 from k3jax.typing import Array
 
@@ -89,9 +88,7 @@ class MLA(nnx.Module):
         every query to the cached positions at or before its own. Padding after a sequence's last
         token is written too, but only ever seen by later padding: the next real token overwrites it.
         ``window`` (static) reads only the first ``window`` cache positions: every real token's
-        position must be below it (the caller's guarantee); None reads the whole cache. On the Pallas
-        path off TPU, one token per sequence (T = 1) attends in one kernel
-        (``pallas_kernels.mla_decode.absorbed_decode``).
+        position must be below it (the caller's guarantee); None reads the whole cache.
         """
         cfg = self.cfg
         B, T, _ = x.shape
@@ -101,17 +98,11 @@ class MLA(nnx.Module):
         rows = jnp.arange(B)[:, None]
         cache = MLACache(cache.c_kv.at[rows, pos].set(c_kv.astype(cache.c_kv.dtype), mode="drop"),
                          cache.k_pe.at[rows, pos].set(k_pe.astype(cache.k_pe.dtype), mode="drop"))
-        q = self.queries(q_in)
-        q_nope, q_pe = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :]
-        if T == 1 and get_implementation() == "pallas" and jax.default_backend() != "tpu":
-            from pallas_kernels.mla_decode import absorbed_decode
-
-            o = absorbed_decode(q_nope[:, 0], q_pe[:, 0], cache.c_kv, cache.k_pe, self.kv_b_proj.weight[...], start,
-                                cfg.qk_head_dim**-0.5, window=window)[:, None]
-            return self.output(gate, o, x.dtype), cache
         keys = MLACache(cache.c_kv[:, :window], cache.k_pe[:, :window])  # [:None] is everything
         visible = jnp.arange(keys.c_kv.shape[1])[None, None, :] <= pos[:, :, None]  # [B, T, S]
-        o = absorbed_attention(q_nope, q_pe, keys.c_kv, keys.k_pe, self.kv_b_proj.weight[...], visible,
+        q = self.queries(q_in)
+        o = absorbed_attention(q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :], keys.c_kv,
+                               keys.k_pe, self.kv_b_proj.weight[...], visible,
                                cfg.qk_head_dim**-0.5)
         return self.output(gate, o, x.dtype), cache
 
