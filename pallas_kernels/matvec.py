@@ -22,12 +22,12 @@ blocks are powers of two); a last block that runs past N_i loads with a row mask
 with the same mask; D need not be a multiple of bk (column mask on the last chunk). x and the
 weights may be bf16 or float32, independently.
 
-Tiles (``MatvecBlocks``): bn weight rows per program, bk columns per step, Triton's num_warps and
-num_stages. Defaults from two H200 sweeps at mini's shapes (``benchmarks/matvec.py``,
-benchmarks/RESULTS.md, issue 4): at M = 1, bn 4, bk 2048, 4 warps took 6.59 us for the KDA group
-(9.0 MB; XLA's einsums 7.94 us; bn 8 bk 1024 7.62 us) and 7.03 us for the MoE group (11.0 MB; XLA
-10.20 us; bn 8 bk 1024 7.70 us). At M = 8 the kernel is 1.5-3x slower than XLA, the dot form too
-(best 1.5x faster on the KDA group, 4x slower on the MoE group's float32 router): use it at M = 1. On GPU the kernel
+Tiles (``MatvecBlocks``, ``DEFAULT_BLOCKS``): bn weight rows per program, bk columns per step,
+Triton's num_warps and num_stages. Defaults from two H200 sweeps at mini's shapes
+(``benchmarks/matvec.py``, benchmarks/RESULTS.md, issue 4): at M = 1, bn 4, bk 2048, 4 warps took
+6.59 us for the KDA group (9.0 MB; XLA's einsums 7.94 us; bn 8 bk 1024 7.62 us) and 7.03 us for the
+MoE group (11.0 MB; XLA 10.20 us; bn 8 bk 1024 7.70 us). At M = 8 the kernel is 1.5-3x slower than
+XLA, and so is the dot form on the MoE group (its float32 router): use it at M = 1. On GPU the kernel
 lowers through Pallas' Triton backend (chosen by passing Triton compiler params); on CPU it runs in
 interpret mode (``k3jax.implementation.pallas_interpret``).
 """
@@ -59,8 +59,8 @@ class MatvecBlocks:
     mode); dot: products on the matrix units (x's rows padded to DOT_ROWS, bn >= 16) instead of one
     row reduction per row of x (unmeasured)."""
 
-    bn: int = 4
-    bk: int = 2048
+    bn: int = 8
+    bk: int = 1024
     num_warps: int = 4
     num_stages: int = 3
     dot: bool = False
@@ -72,6 +72,9 @@ class MatvecBlocks:
                 raise ValueError(f"MatvecBlocks.{name} = {value}: must be a power of two")
         if self.dot and min(self.bn, self.bk) < DOT_ROWS:
             raise ValueError(f"MatvecBlocks.dot needs bn and bk >= {DOT_ROWS}, got {self.bn} and {self.bk}")
+
+
+DEFAULT_BLOCKS = MatvecBlocks(bn=4, bk=2048, num_warps=4, num_stages=3)
 
 
 class _Part(NamedTuple):
@@ -115,90 +118,28 @@ def _valid(start, size: int, bound: int) -> Array | None:
     return start + jax.lax.broadcasted_iota(jnp.int32, (size,), 0) < bound if bound % size else None
 
 
-class DepthSources(NamedTuple):
-    """A Block AttnRes mix as the kernel's input (``k3jax.functional.attn_res.attn_res_mix``): the
-    stored blocks [N, M, D] (the first ``count`` valid), count (int32 [1]), the mix site's norm and
-    projection weights [D] (their product is the depth query), eps; x is the live partial sum."""
-
-    blocks: Array
-    count: Array
-    norm_weight: Array
-    proj_weight: Array
-    eps: float
-
-
-def _row_tiles(ref, rows: int, bk: int, source: int | None = None):
-    """at(row0, col0) -> the [rows, bk] tile of ref (of ref[source] for a stack), zeros past its ends."""
-    m_rows, depth = ref.shape[-2:]
-
-    def at(row0, col0):
-        mask = _tile_mask(_valid(row0, rows, m_rows) if rows > 1 else None, _valid(col0, bk, depth), (rows, bk))
-        if source is None:
-            return _load(ref.at[pl.ds(row0, rows), pl.ds(col0, bk)], mask)
-        tile = ref.at[pl.ds(source, 1), pl.ds(row0, rows), pl.ds(col0, bk)]  # one indexer, as Triton's lowering takes
-        return _load(tile, None if mask is None else mask[None]).reshape(rows, bk)
-
-    return at
-
-
-def _column_sums(terms, rows: int, bk: int, depth: int, count: int):
-    """``count`` float32 [rows, 1] sums over D of terms(col0) (a list of ``count`` [rows, bk] tiles)."""
-    def step(s, totals):
-        tiles = terms(pl.multiple_of(s * bk, bk))
-        return tuple(t + jnp.sum(tile, axis=1, keepdims=True) for t, tile in zip(totals, tiles))
-
-    return jax.lax.fori_loop(0, pl.cdiv(depth, bk), step, (jnp.zeros((rows, 1), jnp.float32),) * count)
-
-
-def _mixed_tiles(x_ref, mix_refs, eps: float, rows: int, bk: int, firsts):
-    """at(row0, col0) -> the AttnRes mix of the stored blocks and the partial x at those rows and
-    columns, rounded to x's dtype (as ``AttnRes``): per row, each source's score (its RMS-normed
-    value dotted with the query, from a pass over D made here, before the caller's loop), a
-    softmax over the sources (blocks past ``count`` weigh 0), the weighted sum of the raw sources."""
-    blocks_ref, count_ref, norm_ref, proj_ref = mix_refs
-    f32, depth = jnp.float32, x_ref.shape[1]
-    sources = [_row_tiles(blocks_ref, rows, bk, s) for s in range(blocks_ref.shape[0])] + [_row_tiles(x_ref, rows, bk)]
-    vector = lambda ref, col0: _load(ref.at[:, pl.ds(col0, bk)], _tile_mask(None, _valid(col0, bk, depth), (1, bk)))
-    count = pltriton.load(count_ref.at[pl.ds(0, 1)])[None, :]
-
-    def weights(row0):
-        def terms(col0):
-            query = vector(norm_ref, col0).astype(f32) * vector(proj_ref, col0).astype(f32)
-            tiles = [at(row0, col0).astype(f32) for at in sources]
-            return [t * t for t in tiles] + [t * query for t in tiles]
-
-        sums = _column_sums(terms, rows, bk, depth, 2 * len(sources))
-        scores = [dot * jax.lax.rsqrt(squares / depth + eps) for squares, dot in zip(sums[:len(sources)], sums[len(sources):])]
-        scores = [jnp.where(s < count, score, -jnp.inf) for s, score in enumerate(scores[:-1])] + scores[-1:]
-        top = functools.reduce(jnp.maximum, scores)
-        e = [jnp.exp(score - top) for score in scores]
-        total = functools.reduce(jnp.add, e)
-        return [v / total for v in e]
-
-    mix_weights = {row0: weights(row0) for row0 in firsts}
-
-    def at(row0, col0):
-        mixed = functools.reduce(jnp.add, [w * src(row0, col0).astype(f32) for w, src in zip(mix_weights[row0], sources)])
-        return mixed.astype(x_ref.dtype)
-
-    return at
-
-
-def _x_tiles(x_ref, norm_ref, eps: float | None, rows: int, bk: int, firsts, mix=None) -> "callable":
+def _x_tiles(x_ref, norm_ref, eps: float | None, rows: int, bk: int, firsts) -> "callable":
     """x_at(row0, col0) -> x [rows, bk] at those rows and columns (zeros past x's ends), for row0 in
-    ``firsts``; with ``mix`` = (refs, eps) of ``DepthSources``, the AttnRes mix with x as its partial
-    (``_mixed_tiles``). With norm_ref [1, D]: RMS-normed, float32 x * rsqrt(mean(x^2) + eps) * weight
-    rounded to x's dtype (``k3jax.functional.norms.rms_norm``); each row's inverse RMS comes from a
-    pass over x made here, before the caller's loop (x is small: M x D)."""
-    depth = x_ref.shape[1]
+    ``firsts``. With norm_ref [1, D]: RMS-normed, float32 x * rsqrt(mean(x^2) + eps) * weight rounded
+    to x's dtype (``k3jax.functional.norms.rms_norm``); each row's inverse RMS comes from a pass
+    over x made here, before the caller's loop (x is small: M x D)."""
+    m_rows, depth = x_ref.shape
     f32 = jnp.float32
-    raw = _row_tiles(x_ref, rows, bk) if mix is None else _mixed_tiles(x_ref, *mix, rows, bk, firsts)
+
+    def raw(row0, col0):
+        mask = _tile_mask(_valid(row0, rows, m_rows) if rows > 1 else None, _valid(col0, bk, depth), (rows, bk))
+        return _load(x_ref.at[pl.ds(row0, rows), pl.ds(col0, bk)], mask)
+
     if norm_ref is None:
         return raw
 
     def inverse_rms(row0):
-        squares = lambda col0: [jnp.square(raw(row0, col0).astype(f32))]
-        return jax.lax.rsqrt(_column_sums(squares, rows, bk, depth, 1)[0] / depth + eps)
+        def squares(s, total):
+            x = raw(row0, pl.multiple_of(s * bk, bk)).astype(f32)
+            return total + jnp.sum(x * x, axis=1, keepdims=True)
+
+        total = jax.lax.fori_loop(0, pl.cdiv(depth, bk), squares, jnp.zeros((rows, 1), f32))
+        return jax.lax.rsqrt(total / depth + eps)
 
     inverse = {row0: inverse_rms(row0) for row0 in firsts}
 
@@ -210,18 +151,16 @@ def _x_tiles(x_ref, norm_ref, eps: float | None, rows: int, bk: int, firsts, mix
     return x_at
 
 
-def _block_product(x_ref, norm_ref, mix, w_ref, o_ref, row0, *, bn: int, bk: int, dot: bool,
-                   eps: float | None) -> None:
-    """o[:, row0:row0 + bn] = x @ w[row0:row0 + bn]^T in float32, rows past w's end masked (x the
-    AttnRes mix of the ``mix`` sources with x as the partial, when given; then RMS-normed with
-    norm_ref, when given).
+def _block_product(x_ref, norm_ref, w_ref, o_ref, row0, *, bn: int, bk: int, dot: bool, eps: float | None) -> None:
+    """o[:, row0:row0 + bn] = x @ w[row0:row0 + bn]^T in float32, rows past w's end masked (x
+    RMS-normed first with norm_ref, when given).
 
     Rows form: a float32 [bn] sum per row of x, each step adding the row sums of w * x_m. Dot form:
     a [DOT_ROWS, bn] float32 accumulator from x (rows past M loaded as zeros) . w^T on the matrix
     units, bf16 operands where both are bf16, else float32 at precision HIGHEST (exact products)."""
     m_rows, depth = x_ref.shape
     row_mask = _valid(row0, bn, w_ref.shape[0])
-    x_at = _x_tiles(x_ref, norm_ref, eps, DOT_ROWS if dot else 1, bk, [0] if dot else range(m_rows), mix)
+    x_at = _x_tiles(x_ref, norm_ref, eps, DOT_ROWS if dot else 1, bk, [0] if dot else range(m_rows))
 
     def step(s, acc):
         col0 = pl.multiple_of(s * bk, bk)
@@ -246,25 +185,21 @@ def _block_product(x_ref, norm_ref, mix, w_ref, o_ref, row0, *, bn: int, bk: int
         pltriton.store(o_ref.at[pl.ds(m, 1), pl.ds(row0, bn)], acc[m][None, :].astype(o_ref.dtype), mask=out_mask)
 
 
-def _matvecs_kernel(x_ref, *refs, parts: tuple[_Part, ...], bk: int, dot: bool, eps: float | None,
-                    mix_eps: float | None):
-    """Refs: x [M, D], the RMSNorm weight [1, D] (when eps is given), the ``DepthSources`` arrays
-    blocks [N, M, D], count [1], norm and projection weights [1, D] (when mix_eps is given), the
-    weights [N_i, D], then the outputs [M, N_i] (whole arrays)."""
+def _matvecs_kernel(x_ref, *refs, parts: tuple[_Part, ...], bk: int, dot: bool, eps: float | None):
+    """Refs: x [M, D], the RMSNorm weight [1, D] (when eps is given), the weights [N_i, D], then the
+    outputs [M, N_i] (whole arrays)."""
     norm_ref, refs = (refs[0], refs[1:]) if eps is not None else (None, refs)
-    mix, refs = ((tuple(refs[:4]), mix_eps), refs[4:]) if mix_eps is not None else (None, refs)
     w_refs, o_refs = refs[:len(parts)], refs[len(parts):]
     program = pl.program_id(0)
     for w_ref, o_ref, part in zip(w_refs, o_refs, parts):
         @pl.when((program >= part.first) & (program < part.first + part.blocks))
         def _(w_ref=w_ref, o_ref=o_ref, part=part):
             row0 = pl.multiple_of((program - part.first) * part.bn, part.bn)
-            _block_product(x_ref, norm_ref, mix, w_ref, o_ref, row0, bn=part.bn, bk=bk, dot=dot, eps=eps)
+            _block_product(x_ref, norm_ref, w_ref, o_ref, row0, bn=part.bn, bk=bk, dot=dot, eps=eps)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtypes", "eps", "mix_eps", "blocks", "interpret"))
-def _matvecs(x, norm_weight, mix_arrays, weights, *, out_dtypes, eps, mix_eps, blocks: MatvecBlocks,
-             interpret: bool):
+@functools.partial(jax.jit, static_argnames=("out_dtypes", "eps", "blocks", "interpret"))
+def _matvecs(x, norm_weight, weights, *, out_dtypes, eps, blocks: MatvecBlocks, interpret: bool):
     m_rows, depth = x.shape
     min_bn = DOT_ROWS if blocks.dot else 1
     parts = _parts([w.shape[0] for w in weights], blocks.bn, min_bn)
@@ -272,25 +207,24 @@ def _matvecs(x, norm_weight, mix_arrays, weights, *, out_dtypes, eps, mix_eps, b
     params = None if interpret else pltriton.CompilerParams(num_warps=blocks.num_warps,
                                                              num_stages=blocks.num_stages)
     return pl.pallas_call(
-        functools.partial(_matvecs_kernel, parts=parts, bk=bk, dot=blocks.dot, eps=eps, mix_eps=mix_eps),
+        functools.partial(_matvecs_kernel, parts=parts, bk=bk, dot=blocks.dot, eps=eps),
         out_shape=tuple(jax.ShapeDtypeStruct((m_rows, w.shape[0]), d) for w, d in zip(weights, out_dtypes)),
         grid=(parts[-1].first + parts[-1].blocks,),
         compiler_params=params,
         interpret=interpret,
         name="matvecs",
-    )(x, *([] if eps is None else [norm_weight.reshape(1, depth)]), *mix_arrays, *weights)
+    )(x, *([] if eps is None else [norm_weight.reshape(1, depth)]), *weights)
 
 
 def matvecs(x: Array, weights: Sequence[Array], out_dtypes: Sequence | None = None, *,
-            norm: tuple[Array, float] | None = None, mix: DepthSources | None = None,
-            blocks: MatvecBlocks = MatvecBlocks(), interpret: bool | None = None) -> tuple[Array, ...]:
+            norm: tuple[Array, float] | None = None, blocks: MatvecBlocks | None = None,
+            interpret: bool | None = None) -> tuple[Array, ...]:
     """x [M, D] (M <= MAX_ROWS), weights [N_i, D] -> (x @ W_i^T [M, N_i] in out_dtypes[i], ...).
 
     bf16 or float32 operands; float32 products and sums, one rounding to the output dtype (default
-    x.dtype). One kernel for all the weights. ``mix``: x is first replaced by the Block AttnRes mix of
-    mix.blocks and x (the partial), as ``k3jax.functional.attn_res.attn_res_mix`` rounded to x.dtype.
-    ``norm`` = (weight [D], eps): x is then RMS-normed, inside the kernel, exactly as
-    ``k3jax.functional.norms.rms_norm`` (float32, rounded to x.dtype)."""
+    x.dtype). One kernel for all the weights. ``norm`` = (weight [D], eps): x is RMS-normed first,
+    inside the kernel, exactly as ``k3jax.functional.norms.rms_norm`` (float32, rounded to x.dtype).
+    ``blocks`` default: ``DEFAULT_BLOCKS``, read at each call."""
     weights = tuple(weights)
     if x.ndim != 2 or not 1 <= x.shape[0] <= MAX_ROWS:
         raise ValueError(f"x must be [M, D] with 1 <= M <= {MAX_ROWS}, got shape {x.shape}")
@@ -309,24 +243,9 @@ def matvecs(x: Array, weights: Sequence[Array], out_dtypes: Sequence | None = No
     if norm_weight is not None and (norm_weight.shape != (x.shape[1],) or jnp.dtype(norm_weight.dtype) not in DTYPES):
         raise ValueError(f"norm weight must be [D] = [{x.shape[1]}] bf16 or float32, got {norm_weight.shape} "
                          f"{norm_weight.dtype}")
-    mix_arrays, mix_eps = () if mix is None else _mix_arrays(mix, x), None if mix is None else float(mix.eps)
     interpret = pallas_interpret() if interpret is None else interpret
-    return _matvecs(x, norm_weight, mix_arrays, weights, out_dtypes=tuple(jnp.dtype(d) for d in out_dtypes), eps=eps,
-                    mix_eps=mix_eps, blocks=blocks, interpret=interpret)
+    return _matvecs(x, norm_weight, weights, out_dtypes=tuple(jnp.dtype(d) for d in out_dtypes), eps=eps,
+                    blocks=DEFAULT_BLOCKS if blocks is None else blocks, interpret=interpret)
 
 
-def _mix_arrays(mix: DepthSources, x: Array) -> tuple[Array, ...]:
-    """The kernel's operands of a ``DepthSources`` (checked against x [M, D])."""
-    m_rows, depth = x.shape
-    if mix.blocks.ndim != 3 or mix.blocks.shape[1:] != x.shape or mix.blocks.shape[0] < 1:
-        raise ValueError(f"mix.blocks must be [N, M, D] with [M, D] = {list(x.shape)} (x's), got {mix.blocks.shape}")
-    for name in ("norm_weight", "proj_weight"):
-        if getattr(mix, name).size != depth:
-            raise ValueError(f"mix.{name} must hold D = {depth} values, got shape {getattr(mix, name).shape}")
-    if jnp.dtype(mix.blocks.dtype) not in DTYPES:
-        raise ValueError(f"mix.blocks must be bfloat16 or float32, got {mix.blocks.dtype}")
-    count = jnp.asarray(mix.count, jnp.int32).reshape(1)
-    return mix.blocks, count, mix.norm_weight.reshape(1, depth), mix.proj_weight.reshape(1, depth)
-
-
-__all__ = ["MAX_ROWS", "DepthSources", "MatvecBlocks", "matvecs"]
+__all__ = ["DEFAULT_BLOCKS", "MAX_ROWS", "MatvecBlocks", "matvecs"]

@@ -6,9 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax.functional.attn_res import attn_res_mix
 from k3jax.functional.norms import rms_norm
-from pallas_kernels.matvec import MAX_ROWS, DepthSources, MatvecBlocks, matvecs
+from pallas_kernels.matvec import MAX_ROWS, MatvecBlocks, matvecs
 
 # bn = 8 (16 in the dot form), bk = 64: N = 5 is below the block, 20 and 13 are not multiples of
 # it, D = 200 not of bk.
@@ -55,41 +54,14 @@ def test_rms_norm_inside_matches_norm_then_einsum(m, blocks):
                                    atol=tolerance)
 
 
-@pytest.mark.parametrize("m,count,blocks", [(1, 2, ROWS), (3, 0, ROWS), (3, 3, DOT)])
-def test_attn_res_mix_inside_matches_mix_then_norm_then_einsum(m, count, blocks):
-    """``mix``: the Block AttnRes mix of three stored blocks (the first ``count`` valid; the others
-    hold random values the mix must ignore) and x, in the kernel, against ``attn_res_mix`` rounded
-    to x's dtype, then ``rms_norm``, then the einsums. Sources of different scales, so the
-    softmax over depth is far from uniform."""
-    depth, eps, mix_eps = 200, 1e-5, 1e-6
-    keys = jax.random.split(jax.random.key(20 + m), len(WEIGHTS) + 5)
-    scales = jnp.array([3.0, 0.2, 1.0, 5.0])[:, None, None]
-    sources = (jax.random.normal(keys[0], (4, m, depth)) * scales).astype(jnp.bfloat16)
-    stored, x = sources[:3], sources[3]
-    norm_weight, mix_norm, mix_proj = (1.0 + 0.3 * jax.random.normal(k, (depth,)) for k in keys[1:4])
-    norm_weight = norm_weight.astype(jnp.bfloat16)
-    mix_proj = mix_proj * 0.2
-    weights = [jax.random.normal(k, (n, depth), jnp.float32).astype(d) for k, (n, d) in zip(keys[5:], WEIGHTS)]
-    mix = DepthSources(stored, jnp.int32(count), mix_norm, mix_proj, mix_eps)
-    outs = matvecs(x, weights, OUT_DTYPES, norm=(norm_weight, eps), mix=mix, blocks=blocks)
-    mixed, mix_weights = attn_res_mix(stored[:, :, None], count, x[:, None], mix_norm, mix_proj, mix_eps)
-    assert float(jnp.max(mix_weights)) > 0.5  # one source dominates: the scores matter
-    normed = rms_norm(mixed[:, 0].astype(x.dtype), norm_weight, eps)
-    for out, w, dtype in zip(outs, weights, OUT_DTYPES):
-        tolerance = 1e-5 if dtype == jnp.float32 else 1e-2
-        np.testing.assert_allclose(np.float32(out), np.float32(_reference(normed, w, dtype)), rtol=tolerance,
-                                   atol=tolerance)
-
-
 @pytest.mark.parametrize("blocks,norm", [(MatvecBlocks(), False), (MatvecBlocks(bn=16, dot=True), True)])
 def test_lowers_for_cuda_through_triton(blocks, norm):
     """Pallas' Triton lowering of the kernel (masked row and column tiles, two dtypes, with and without
-    the AttnRes mix and RMSNorm), on the CPU."""
+    the RMSNorm), on the CPU."""
     args = [jax.ShapeDtypeStruct(s, d) for s, d in
             [((3, 2000), jnp.bfloat16), ((100, 2000), jnp.float32), ((16, 2000), jnp.bfloat16)]]
     rms = (jnp.ones((2000,), jnp.float32), 1e-6) if norm else None
-    mix = DepthSources(jnp.ones((2, 3, 2000), jnp.bfloat16), 1, jnp.ones((2000,)), jnp.ones((2000,)), 1e-6) if norm else None
-    fn = lambda x, *w: matvecs(x, w, (jnp.float32, jnp.bfloat16), norm=rms, mix=mix, blocks=blocks, interpret=False)
+    fn = lambda x, *w: matvecs(x, w, (jnp.float32, jnp.bfloat16), norm=rms, blocks=blocks, interpret=False)
     assert "xla.gpu.triton" in jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -106,10 +78,6 @@ def test_bad_inputs_are_refused():
         matvecs(x, [w, w], [jnp.float32])
     with pytest.raises(ValueError, match="norm weight"):
         matvecs(x, [w], norm=(jnp.ones((32,)), 1e-6))
-    with pytest.raises(ValueError, match=r"mix.blocks must be \[N, M, D\]"):
-        matvecs(x, [w], mix=DepthSources(jnp.zeros((3, 1, 64)), 1, jnp.ones((64,)), jnp.ones((64,)), 1e-6))
-    with pytest.raises(ValueError, match="mix.proj_weight"):
-        matvecs(x, [w], mix=DepthSources(jnp.zeros((3, 2, 64)), 1, jnp.ones((64,)), jnp.ones((32,)), 1e-6))
     with pytest.raises(ValueError, match="at least one"):
         matvecs(x, [])
     with pytest.raises(ValueError, match="power of two"):

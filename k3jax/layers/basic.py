@@ -73,28 +73,40 @@ def _matvec_kernel_fits(x: Array, weights: Sequence[Array], dtypes: Sequence) ->
     return 0 < rows <= MATVEC_KERNEL_ROWS and all(exact(w, dt) and exact(x, dt) for w, dt in zip(weights, dtypes))
 
 
+def _mixed(mix: DepthMix, norm: "RMSNorm | None", kernel: bool) -> tuple[Array, "RMSNorm | None"]:
+    """A Block AttnRes mix's value and the norm still to apply: with ``kernel``, mixed and normed in
+    one small kernel (``pallas_kernels.depth_mix``), else by XLA (the norm left to the caller)."""
+    if not kernel:
+        return mix.value(), norm
+    from pallas_kernels.depth_mix import mix_norm
+
+    lead, depth = mix.shape[:-1], mix.shape[-1]
+    rows = mix.partial.reshape(-1, depth)
+    out = mix_norm(rows, mix.blocks.reshape(mix.blocks.shape[0], *rows.shape), mix.n_blocks, mix.norm_weight,
+                   mix.proj_weight, mix.eps, None if norm is None else (norm.weight[...], norm.eps))
+    return out.reshape(*lead, depth), None
+
+
 def project(x: "Array | DepthMix", weights: Sequence[Array], dtypes: Sequence | None = None,
             norm: "RMSNorm | None" = None) -> list[Array]:
     """x [..., D] (a Block AttnRes ``DepthMix`` is mixed first; RMS-normed by ``norm``, when given)
     times each weight [N_i, D]^T, as ``einsum(x.astype(dt), w.astype(dt))`` with dt = dtypes[i]
     (default x.dtype; float32 sums): what ``Linear`` computes, or the router's float32 logits. The
     maps that read one input (a layer's projections) go together so that, on the Pallas path for one
-    row (batch-1 decode) off TPU, one kernel computes them all, mix and norm included
-    (``pallas_kernels.matvec``), instead of one small kernel each."""
+    row (batch-1 decode) off TPU, one kernel computes them all, norm included
+    (``pallas_kernels.matvec``), instead of one small kernel each; a mix before them is then computed
+    with the norm in one more small kernel (``pallas_kernels.depth_mix``)."""
     dtypes = [x.dtype] * len(weights) if dtypes is None else list(dtypes)
-    if _matvec_kernel_fits(x, weights, dtypes):
-        from pallas_kernels.matvec import DepthSources, matvecs
-
-        lead, depth = x.shape[:-1], x.shape[-1]
-        rms = None if norm is None else (norm.weight[...], norm.eps)
-        mix = None
-        if isinstance(x, DepthMix):
-            blocks = x.blocks.reshape(x.blocks.shape[0], -1, depth)
-            mix, x = DepthSources(blocks, x.n_blocks, x.norm_weight, x.proj_weight, x.eps), x.partial
-        outs = matvecs(x.reshape(-1, depth), list(weights), dtypes, norm=rms, mix=mix)
-        return [y.reshape(*lead, y.shape[-1]) for y in outs]
+    kernel = _matvec_kernel_fits(x, weights, dtypes)
     if isinstance(x, DepthMix):
-        x = x.value()
+        x, norm = _mixed(x, norm, kernel)
+    if kernel:
+        from pallas_kernels.matvec import matvecs
+
+        lead = x.shape[:-1]
+        rms = None if norm is None else (norm.weight[...], norm.eps)
+        outs = matvecs(x.reshape(-1, x.shape[-1]), list(weights), dtypes, norm=rms)
+        return [y.reshape(*lead, y.shape[-1]) for y in outs]
     if norm is not None:
         x = norm(x)
     return [jnp.einsum("...i,oi->...o", x.astype(dt), w.astype(dt), precision=_HI) for w, dt in zip(weights, dtypes)]
