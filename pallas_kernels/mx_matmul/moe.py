@@ -17,15 +17,6 @@ a block of bf hidden units:
 
 The grid is (pairs, F / bf); programs of one pair read disjoint weights, so every routed weight
 byte is read once per pair. Interpret mode on CPU runs the same body (the decode emulated).
-
-``routed_moe_mx(x, w1, w3, w2, logits, correction_bias, k, renormalize, scaling_factor, act)`` is the
-same kernel with the router's selection inside: each program runs its token's selection
-(``pallas_kernels.route.pick_experts``: k rounds of argmax over E scores) and keeps its pair's slot,
-so no separate selection kernel runs before it. x is read as given (float32 or bf16) and rounded to
-bf16 in the kernel. Measured at `mini`'s shape on the H200 (benchmarks/RESULTS.md, sixth session) it
-does not pay: the k rounds of cross-warp reductions in every program cost as much as the selection
-kernel they replace at 1 token (20.9 against 20.1 us) and more at 8 (105 against 76 us), so the MoE
-layer keeps ``pallas_kernels.route.select_experts`` then ``fused_moe_mx``.
 """
 
 from __future__ import annotations
@@ -43,20 +34,19 @@ from k3jax.mx import BLOCK, MXTensor
 from k3jax.typing import Array
 from pallas_kernels.mx_matmul.kernel import SCALE_BLOCK_BYTES, MXBlocks, _gpu_compiler_params, decode_weight_planes
 from pallas_kernels.mx_matmul.ops import _largest_pow2_divisor
-from pallas_kernels.route import check_router, padded_router, pick_experts
 
 
 def _one_row_products(codes_at, scales_at, x_ref, token, n_steps: int, bk: int, method: str, interpret: bool):
     """float32 [rows] = sum over loop steps i of decoded w tiles [rows, bk/2] (even, odd planes) times
-    the matching even / odd columns of x's row ``token`` (strided loads, rounded to bf16); codes_at(i),
-    scales_at(i) load step i's tiles."""
+    the matching even / odd columns of x's row ``token`` (strided loads); codes_at(i), scales_at(i) load
+    step i's tiles."""
     half = bk // 2
 
     def step(i, acc):
         first = pl.multiple_of(i * bk, bk)
         planes = decode_weight_planes(codes_at(i), scales_at(i), method, interpret)
         for parity, w in enumerate(planes):
-            x = x_ref[token, pl.ds(first + parity, half, stride=2)].astype(jnp.bfloat16)  # x rounded to bf16
+            x = x_ref[token, pl.ds(first + parity, half, stride=2)]
             acc = acc + w.astype(jnp.float32) * x.astype(jnp.float32)[None, :]
         return acc
 
@@ -64,37 +54,14 @@ def _one_row_products(codes_at, scales_at, x_ref, token, n_steps: int, bk: int, 
     return jnp.sum(jax.lax.fori_loop(0, n_steps, step, jnp.zeros((rows, half), jnp.float32)), axis=1)
 
 
-@dataclasses.dataclass(frozen=True)
-class Routing:
-    """Selection inside the kernel (``pallas_kernels.route.pick_experts``): renormalize the k weights to sum
-    1, then scale them."""
-
-    renormalize: bool
-    scaling_factor: float
-
-
-def _pair_route(first_ref, second_ref, pair, k: int, routing: Routing | None):
-    """(expert, weight) of (token, expert) pair ``pair`` = token * k + slot: given (refs experts, weights
-    [T*k]), or with ``routing`` picked from the token's router logits (refs logits [T, E'] float32,
-    padding -inf, and correction bias [1, E'])."""
-    if routing is None:
-        return first_ref[pair], second_ref[pair]
-    slots = pl.next_power_of_2(k)
-    weights, experts = pick_experts(first_ref[pl.ds(pair // k, 1), :], second_ref[...], k=k,
-                                    renormalize=routing.renormalize, scaling=routing.scaling_factor, slots=slots)
-    mine = jax.lax.broadcasted_iota(jnp.int32, (1, slots), 1) == pair % k
-    return jnp.sum(jnp.where(mine, experts, 0)), jnp.sum(jnp.where(mine, weights, 0.0))
-
-
-def _fused_moe_kernel(route_a_ref, route_b_ref, x_ref, w1c_ref, w1s_ref, w3c_ref, w3s_ref,
-                      w2c_ref, w2s_ref, y_init_ref, y_ref, *, k: int, routing: Routing | None, bf: int, bk: int,
-                      br: int, act, h_dtype, method: str, interpret: bool):
-    """Refs: the routing (``_pair_route``); x [T, R] float32 or bf16; w1, w3 codes [E, F/2, 2, R/32, 16]
-    and scales [..., 1]; w2 codes [E, R, F/32, 16] and scales [..., 1]; y [T, R] float32 (aliased to
-    y_init, zeros). Program (pair, block of bf hidden units)."""
+def _fused_moe_kernel(experts_ref, weights_ref, x_ref, w1c_ref, w1s_ref, w3c_ref, w3s_ref,
+                      w2c_ref, w2s_ref, y_init_ref, y_ref, *, k: int, bf: int, bk: int, br: int, act,
+                      h_dtype, method: str, interpret: bool):
+    """Refs: experts, weights [T*k]; x [T, R] bf16; w1, w3 codes [E, F/2, 2, R/32, 16] and scales
+    [..., 1]; w2 codes [E, R, F/32, 16] and scales [..., 1]; y [T, R] float32 (aliased to y_init,
+    zeros). Program (pair, block of bf hidden units)."""
     pair, block = pl.program_id(0), pl.program_id(1)
-    token = pair // k
-    expert, weight = _pair_route(route_a_ref, route_b_ref, pair, k, routing)
+    expert, token, weight = experts_ref[pair], pair // k, weights_ref[pair]
     R = x_ref.shape[1]
     rows = pl.ds(pl.multiple_of(block * (bf // 2), bf // 2), bf // 2)
     g = bk // BLOCK
@@ -131,12 +98,14 @@ def _stack_views(w: MXTensor, rows_in_pairs: bool) -> tuple[Array, Array]:
             w.scales.reshape(*lead, w.scales.shape[-1], 1))
 
 
-@functools.partial(jax.jit, static_argnames=("k", "routing", "act", "blocks", "bf", "br", "interpret"))
-def _fused_moe_mx(x, w1, w3, w2, route_a, route_b, *, k, routing, act, blocks, bf, br, interpret):
+@functools.partial(jax.jit, static_argnames=("act", "blocks", "bf", "br", "interpret"))
+def _fused_moe_mx(x, w1, w3, w2, weights, experts, *, act, blocks, bf, br, interpret):
     T, R = x.shape
+    k = experts.shape[1]
     F = w1.shape[1]
-    kernel = functools.partial(_fused_moe_kernel, k=k, routing=routing, bf=bf, bk=blocks.bk, br=br, act=act,
-                               h_dtype=x.dtype, method=blocks.decode, interpret=interpret)
+    xb = x.astype(jnp.bfloat16)
+    kernel = functools.partial(_fused_moe_kernel, k=k, bf=bf, bk=blocks.bk, br=br, act=act, h_dtype=x.dtype,
+                               method=blocks.decode, interpret=interpret)
     y = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((T, R), jnp.float32),
@@ -145,7 +114,7 @@ def _fused_moe_mx(x, w1, w3, w2, route_a, route_b, *, k, routing, act, blocks, b
         compiler_params=_gpu_compiler_params(blocks, interpret),
         interpret=interpret,
         name="fused_moe_mx",
-    )(route_a, route_b, x,
+    )(experts.reshape(-1).astype(jnp.int32), weights.reshape(-1).astype(jnp.float32), xb,
       *_stack_views(w1, True), *_stack_views(w3, True), *_stack_views(w2, False), jnp.zeros((T, R), jnp.float32))
     return y.astype(x.dtype)
 
@@ -168,8 +137,15 @@ def fused_moe_pays(pairs: int, experts_per_token: int, hidden: int, blocks: MXBl
     return pairs <= FUSED_MOE_MAX_PAIRS and experts_per_token * hidden // blocks.bn <= FUSED_MOE_MAX_ADDERS
 
 
-def _check_stacks(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor) -> None:
-    """Raises ValueError unless w1, w3 [E, F, R] and w2 [E, R, F] are MXFP4 stacks and x is [T, R]."""
+def fused_moe_mx(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, weights: Array, experts: Array, act, *,
+                 blocks: MXBlocks = FUSED_MOE_BLOCKS, down_rows: int = FUSED_MOE_DOWN_ROWS,
+                 interpret: bool | None = None) -> Array:
+    """Routed experts for a few tokens in one kernel: x [T, R] (bf16/f32), MXFP4 stacks w1, w3
+    [E, F, R] and w2 [E, R, F], weights float32 [T, k], experts int32 [T, k], act(gate, up) ->
+    hidden. Returns sum over the k pairs of weight * expert(x), [T, R] in x's dtype (float32
+    accumulation). ``blocks.bn`` (hidden units per program, a multiple of 32 dividing F),
+    ``blocks.bk`` (a power of two dividing R) and ``down_rows`` (output rows per atomic add of the
+    down projection) are shrunk to fit."""
     for name, w, shape in (("w1", w1, None), ("w3", w3, w1.shape), ("w2", w2, None)):
         if not isinstance(w, MXTensor) or w.format != "mxfp4" or w.ndim != 3:
             raise ValueError(f"{name} must be an MXFP4 MXTensor [E, N, K], got {w!r:.200}")
@@ -178,52 +154,17 @@ def _check_stacks(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor) -> None:
     E, F, R = w1.shape
     if x.ndim != 2 or x.shape[1] != R or w2.shape != (E, R, F):
         raise ValueError(f"x [T, R] = {x.shape}, w1 [E, F, R] = {w1.shape}, w2 [E, R, F] = {w2.shape} disagree")
+    if weights.shape != experts.shape or weights.shape[0] != x.shape[0]:
+        raise ValueError(f"weights {weights.shape} and experts {experts.shape} must both be [T, k], T = {x.shape[0]}")
     if F % BLOCK or R % BLOCK:
         raise ValueError(f"F = {F} and R = {R} must be multiples of {BLOCK}")
-
-
-def _run(x, w1, w3, w2, route_a, route_b, k: int, routing: Routing | None, act, blocks: MXBlocks, down_rows: int,
-         interpret: bool | None) -> Array:
-    """The kernel with its tiles shrunk to fit (``fused_moe_mx``'s docstring)."""
-    E, F, R = w1.shape
     bf = BLOCK * _largest_pow2_divisor(F // BLOCK, max(blocks.bn // BLOCK, 1))
     bk = BLOCK * _largest_pow2_divisor(R // BLOCK, max(blocks.bk // BLOCK, 1))
     br = BLOCK * _largest_pow2_divisor(R // BLOCK, max(down_rows // BLOCK, 1))
     interpret = pallas_interpret() if interpret is None else interpret
-    return _fused_moe_mx(x, w1, w3, w2, route_a, route_b, k=k, routing=routing, act=act,
-                         blocks=dataclasses.replace(blocks, bk=bk), bf=bf, br=br, interpret=interpret)
+    return _fused_moe_mx(x, w1, w3, w2, weights, experts, act=act, blocks=dataclasses.replace(blocks, bk=bk),
+                         bf=bf, br=br, interpret=interpret)
 
 
-def fused_moe_mx(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, weights: Array, experts: Array, act, *,
-                 blocks: MXBlocks = FUSED_MOE_BLOCKS, down_rows: int = FUSED_MOE_DOWN_ROWS,
-                 interpret: bool | None = None) -> Array:
-    """Routed experts for a few tokens in one kernel: x [T, R] (bf16/f32, rounded to bf16 in the kernel),
-    MXFP4 stacks w1, w3 [E, F, R] and w2 [E, R, F], weights float32 [T, k], experts int32 [T, k],
-    act(gate, up) -> hidden. Returns sum over the k pairs of weight * expert(x), [T, R] in x's dtype
-    (float32 accumulation). ``blocks.bn`` (hidden units per program, a multiple of 32 dividing F),
-    ``blocks.bk`` (a power of two dividing R) and ``down_rows`` (output rows per atomic add of the
-    down projection) are shrunk to fit."""
-    _check_stacks(x, w1, w3, w2)
-    if weights.shape != experts.shape or weights.shape[0] != x.shape[0]:
-        raise ValueError(f"weights {weights.shape} and experts {experts.shape} must both be [T, k], T = {x.shape[0]}")
-    return _run(x, w1, w3, w2, experts.reshape(-1).astype(jnp.int32), weights.reshape(-1).astype(jnp.float32),
-                experts.shape[1], None, act, blocks, down_rows, interpret)
-
-
-def routed_moe_mx(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, logits: Array, correction_bias: Array, k: int,
-                  renormalize: bool, scaling_factor: float, act, *, blocks: MXBlocks = FUSED_MOE_BLOCKS,
-                  down_rows: int = FUSED_MOE_DOWN_ROWS, interpret: bool | None = None) -> Array:
-    """``fused_moe_mx`` with the router's selection in the same kernel: each program picks its pair's
-    expert and weight from its token's logits [T, E] (float32) and correction_bias [E], as
-    ``pallas_kernels.route.select_experts(logits, correction_bias, k, renormalize, scaling_factor)``
-    then ``fused_moe_mx`` with its weights and experts."""
-    _check_stacks(x, w1, w3, w2)
-    check_router(logits, correction_bias, k)
-    if logits.shape != (x.shape[0], w1.shape[0]):
-        raise ValueError(f"logits {logits.shape} must be [T, E] = [{x.shape[0]}, {w1.shape[0]}]")
-    return _run(x, w1, w3, w2, *padded_router(logits, correction_bias), k,
-                Routing(renormalize, float(scaling_factor)), act, blocks, down_rows, interpret)
-
-
-__all__ = ["FUSED_MOE_BLOCKS", "FUSED_MOE_DOWN_ROWS", "FUSED_MOE_MAX_ADDERS", "FUSED_MOE_MAX_PAIRS", "Routing",
-           "fused_moe_mx", "fused_moe_pays", "routed_moe_mx"]
+__all__ = ["FUSED_MOE_BLOCKS", "FUSED_MOE_DOWN_ROWS", "FUSED_MOE_MAX_ADDERS", "FUSED_MOE_MAX_PAIRS", "fused_moe_mx",
+           "fused_moe_pays"]
