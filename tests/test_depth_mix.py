@@ -56,3 +56,26 @@ def test_bad_inputs_are_refused():
         mix_norm(partial, jnp.zeros((3, 2, 64)), 1, w, jnp.ones((32,)), MIX_EPS)
     with pytest.raises(ValueError, match="norm weight must hold D = 64"):
         mix_norm(partial, jnp.zeros((3, 2, 64)), 1, w, w, MIX_EPS, (jnp.ones((8,)), EPS))
+
+
+@pytest.mark.parametrize("latent", [None, 16])
+def test_moe_reads_a_depth_mix_as_its_value(latent):
+    """A layer handed a ``DepthMix`` (what the decoder passes) computes what it computes on the mix's
+    value; the MoE without a latent reads its normed input itself, so it takes the value first."""
+    from flax import nnx
+
+    from k3jax.config import MoEConfig
+    from k3jax.functional.attn_res import DepthMix
+    from k3jax.layers.basic import RMSNorm
+    from k3jax.layers.mlp import activation
+    from k3jax.layers.moe import MoE
+
+    d = 24
+    cfg = MoEConfig(num_experts=4, experts_per_token=2, num_shared_experts=1, intermediate_size=8, latent_size=latent)
+    moe = MoE(d, cfg, activation("silu"), 1e-6, rngs=nnx.Rngs(0))
+    keys = jax.random.split(jax.random.key(5), 4)
+    mix = DepthMix(jax.random.normal(keys[0], (3, 2, 1, d)), 2, jax.random.normal(keys[1], (2, 1, d)),
+                   1.0 + jax.random.normal(keys[2], (d,)), jax.random.normal(keys[3], (d,)), 1e-6)
+    norm = RMSNorm(d, 1e-6)
+    np.testing.assert_allclose(np.asarray(moe(mix, norm=norm)), np.asarray(moe(mix.value(), norm=norm)), rtol=1e-6,
+                               atol=1e-6)

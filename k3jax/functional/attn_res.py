@@ -30,10 +30,10 @@ def attn_res_mix(
 ) -> tuple[Array, Array]:
     """Mix stored blocks and the partial sum over depth.
 
-    blocks [N, B, T, D] (rows at or beyond ``n_blocks`` are ignored), partial [B, T, D] (or any
-    other leading axes than B, T, the same in both), norm_weight [D], proj_weight [D]. Returns
-    (out [B, T, D] float32, weights [N + 1, B, T] float32:
-    one per block, then the partial; zero for ignored rows; they sum to one). The blocks and the
+    blocks [N, B, T, D] (rows at or beyond ``n_blocks`` are ignored), partial [B, T, D],
+    norm_weight [D], proj_weight [D]; any other leading axes than (B, T) work alike. Returns (out
+    [B, T, D] float32, weights [N + 1, B, T] float32: one per block, then the partial; zero for
+    ignored rows; they sum to one). The blocks and the
     partial are scored and summed separately (one softmax over both), never copied into one array.
     """
     query = norm_weight.astype(jnp.float32) * proj_weight.astype(jnp.float32)  # [D]
@@ -52,9 +52,10 @@ def attn_res_mix(
 @dataclasses.dataclass(frozen=True)
 class DepthMix:
     """A mix site's inputs, for its reader to mix: ``value()`` is ``attn_res_mix``'s output rounded to
-    the partial's dtype (what the next layer reads), ``weights()`` its mixing weights. A reader that
-    can fold the mix into its own kernel does (``k3jax.layers.basic.project`` at one row, on the
-    Pallas path); shape, dtype and reshape are the partial's, so layers pass it on like an array."""
+    the partial's dtype (what the next layer reads), ``weights()`` its mixing weights. The reader
+    chooses how: ``k3jax.layers.basic.project`` mixes and norms in one kernel at one row on the
+    Pallas path, else calls value(). shape, dtype and reshape are the partial's, so layers pass a mix
+    on like an array."""
 
     blocks: Array
     n_blocks: Array | int

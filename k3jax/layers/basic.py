@@ -73,6 +73,11 @@ def _matvec_kernel_fits(x: Array, weights: Sequence[Array], dtypes: Sequence) ->
     return 0 < rows <= MATVEC_KERNEL_ROWS and all(exact(w, dt) and exact(x, dt) for w, dt in zip(weights, dtypes))
 
 
+def materialize(x: "Array | DepthMix") -> Array:
+    """x itself, or a ``DepthMix``'s value: for readers that need the array."""
+    return x.value() if isinstance(x, DepthMix) else x
+
+
 def _mixed(mix: DepthMix, norm: "RMSNorm | None", kernel: bool) -> tuple[Array, "RMSNorm | None"]:
     """A Block AttnRes mix's value and the norm still to apply: with ``kernel``, mixed and normed in
     one small kernel (``pallas_kernels.depth_mix``), else by XLA (the norm left to the caller)."""
@@ -133,4 +138,4 @@ class Embed(nnx.Module):
         return jnp.take(self.weight[...], tokens, axis=0)
 
 
-__all__ = ["Rngs", "Keys", "Linear", "RMSNorm", "Embed", "normal", "project", "MATVEC_KERNEL_ROWS"]
+__all__ = ["Rngs", "Keys", "Linear", "RMSNorm", "Embed", "normal", "materialize", "project", "MATVEC_KERNEL_ROWS"]

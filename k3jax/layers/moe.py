@@ -15,7 +15,7 @@ from flax import nnx
 from k3jax.config import MoEConfig
 from k3jax.functional.moe import Activation, grouped_matmul, moe_dense, moe_sorted, select_experts
 from k3jax.implementation import get_implementation
-from k3jax.layers.basic import Linear, RMSNorm, Rngs, normal, project
+from k3jax.layers.basic import Linear, RMSNorm, Rngs, materialize, normal, project
 from k3jax.layers.mlp import DenseMLP
 from k3jax.mx import MXTensor, quantize_compiled
 from k3jax.sharding import expert_mesh, moe_expert_parallel
@@ -111,8 +111,10 @@ class MoE(nnx.Module):
     def _inputs(self, flat: Array, norm: RMSNorm | None) -> tuple[Array, Array, list[Array]]:
         """(router logits float32, the routed experts' input, the shared experts' gate and up): the
         maps that read the layer's input, together (``project``)."""
-        if norm is not None and not self.cfg.latent_size:  # the routed experts read the normed input itself
-            flat, norm = norm(flat), None
+        if not self.cfg.latent_size:  # the routed experts read the (normed) input itself
+            flat = materialize(flat)
+            if norm is not None:
+                flat, norm = norm(flat), None
         weights, dtypes = [self.gate.weight[...]], [jnp.float32]
         if self.cfg.latent_size:
             weights.append(self.routed_expert_down_proj.weight[...])
