@@ -1,0 +1,74 @@
+"""Batch-1 decode step of a preset on the Pallas path under the sixth session's switches, in one
+process: every variant's step is traced and compiled first, then the variants are timed round-robin
+(three rounds of 20 steps, best round), so lease-to-lease drift does not enter the comparison.
+
+    python3 benchmarks/decode_variants.py [preset]      (default mini; tiny runs on a CPU)
+
+Variants: the default (each AttnRes mix and its norm in ``pallas_kernels.depth_mix``, then the
+matvecs at ``pallas_kernels.matvec.DEFAULT_BLOCKS``); XLA's mixes (``k3jax.layers.basic._mixed``
+forced to its XLA form); the fifth session's matvec tiles; both. Also prints each variant's first
+logits against the default's (with random bf16 weights the model amplifies float32 summation order).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import pallas_kernels.matvec as matvec
+from k3jax import Generator, K3Model, preset, use_implementation
+from k3jax.layers import basic
+
+XLA_MIXES = {"mixed": lambda mix, norm, kernel: ORIGINAL["mixed"](mix, norm, False)}
+OLD_TILES = {"blocks": matvec.MatvecBlocks(8, 1024, 4, 3)}
+ORIGINAL = {"mixed": basic._mixed, "blocks": matvec.DEFAULT_BLOCKS}
+VARIANTS = {"default": {}, "mixes by XLA": XLA_MIXES, "matvec bn 8 bk 1024": OLD_TILES,
+            "both (fifth session)": {**XLA_MIXES, **OLD_TILES}}
+
+
+def use(variant: dict) -> None:
+    """Set the module switches the next trace reads."""
+    settings = {**ORIGINAL, **variant}
+    basic._mixed, matvec.DEFAULT_BLOCKS = settings["mixed"], settings["blocks"]
+
+
+def main() -> None:
+    cfg = preset(sys.argv[1] if len(sys.argv) > 1 else "mini")
+    model = K3Model(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16)
+    prompt = 128 if cfg.hidden_size >= 1024 else 8
+    prompts = np.random.default_rng(1).integers(0, cfg.vocab_size, (1, prompt)).tolist()
+    pos, key = jnp.full((1,), prompt, jnp.int32), jax.random.key(0)
+    runs = {}
+    with use_implementation("pallas"):
+        for name, variant in VARIANTS.items():
+            use(variant)
+            gen = Generator(model, max_len=prompt + 64, prefill_chunk=prompt)  # a fresh jit: traced under `variant`
+            _, cache = gen.prefill(prompts, gen.init_cache(1))
+            token, logits, cache = gen.decode_step(jnp.zeros((1,), jnp.int32), cache, pos, key)
+            runs[name] = [gen, jax.block_until_ready(token), cache, logits]
+        use({})
+        first = runs["default"][3]
+        for name, (_, _, _, logits) in runs.items():
+            print(f"{name}: first logits rel err vs default {float(jnp.linalg.norm(logits - first) / jnp.linalg.norm(first)):.2e}")
+        times = {name: [] for name in VARIANTS}
+        for _ in range(3):
+            for name, run in runs.items():
+                gen, token, cache, _ = run
+                start = time.perf_counter()
+                for _ in range(20):
+                    token, _, cache = gen.decode_step(token, cache, pos, key)
+                jax.block_until_ready(token)
+                times[name].append((time.perf_counter() - start) / 20)
+                run[1:3] = [token, cache]
+    print(f"\n{cfg.name}, B=1 decode step, ms | best | rounds")
+    for name, ts in times.items():
+        print(f"{name} | {min(ts) * 1e3:.3f} | {' '.join(f'{t * 1e3:.3f}' for t in ts)}")
+
+
+if __name__ == "__main__":
+    main()
