@@ -54,7 +54,8 @@ def main() -> None:
         use({})
         first = runs["default"][3]
         for name, (_, _, _, logits) in runs.items():
-            print(f"{name}: first logits rel err vs default {float(jnp.linalg.norm(logits - first) / jnp.linalg.norm(first)):.2e}")
+            err = float(jnp.linalg.norm(logits - first) / jnp.linalg.norm(first))
+            print(f"{name}: first logits rel err vs default {err:.2e}")
         times = {name: [] for name in VARIANTS}
         for _ in range(3):
             for name, run in runs.items():

@@ -46,7 +46,8 @@ def _mix_norm_kernel(partial_ref, blocks_ref, count_ref, site_norm_ref, site_pro
     count = pltriton.load(count_ref.at[pl.ds(0, 1)])[None, :]
     scores = []
     for s, x in enumerate(sources):
-        score = jnp.sum(x * query, axis=1, keepdims=True) * jax.lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) / depth + mix_eps)
+        inverse_rms = jax.lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) / depth + mix_eps)
+        score = jnp.sum(x * query, axis=1, keepdims=True) * inverse_rms
         scores.append(score if s == len(sources) - 1 else jnp.where(s < count, score, -jnp.inf))
     top = functools.reduce(jnp.maximum, scores)
     e = [jnp.exp(score - top) for score in scores]

@@ -210,11 +210,12 @@ def test_pallas_batch_one_decode_matvec_kernel_equals_einsums(monkeypatch):
     """The Pallas path end to end at batch 1 (kernels in interpret mode: chunked KDA prefill, the KDA
     decode step, expert selection, the fused MoE), decode steps with the one-row kernels (each AttnRes
     mix and the norm after it in one, then the matvecs) against the same steps with XLA's mixes and
-    einsums, from one prefilled cache (tiny: every K3 feature). The Pallas path itself differs from the reference by bf16 inside the KDA
-    kernels, which tiny's random 14-layer stack amplifies to percents. The two decode forms differ in
-    float32 summation order only, but that can round a KDA kernel's bf16 input one ulp apart (seen:
-    one step of three at 6e-4, the others below 4e-6); a wrong mix moves the logits by tens of
-    percents (checked: mixing the unused blocks too, 32-99%; the blocks reversed, 124-151%)."""
+    einsums, from one prefilled cache (tiny: every K3 feature). The Pallas path itself differs from
+    the reference by bf16 inside the KDA kernels, which tiny's random 14-layer stack amplifies to
+    percents. The two decode forms differ in float32 summation order only, but that can round a KDA
+    kernel's bf16 input one ulp apart (seen: one step of three at 6e-4, the others below 4e-6); a
+    wrong mix moves the logits by tens of percents (checked: mixing the unused blocks too, 32-99%;
+    the blocks reversed, 124-151%)."""
     built = build("tiny")
     seq = sequences(built.cfg, seed=3)[0, :10]
     steps = {}
