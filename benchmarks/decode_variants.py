@@ -24,9 +24,9 @@ import pallas_kernels.matvec as matvec
 from k3jax import Generator, K3Model, preset, use_implementation
 from k3jax.layers import basic
 
+ORIGINAL = {"mixed": basic._mixed, "blocks": matvec.DEFAULT_BLOCKS}
 XLA_MIXES = {"mixed": lambda mix, norm, kernel: ORIGINAL["mixed"](mix, norm, False)}
 OLD_TILES = {"blocks": matvec.MatvecBlocks(8, 1024, 4, 3)}
-ORIGINAL = {"mixed": basic._mixed, "blocks": matvec.DEFAULT_BLOCKS}
 VARIANTS = {"default": {}, "mixes by XLA": XLA_MIXES, "matvec bn 8 bk 1024": OLD_TILES,
             "both (fifth session)": {**XLA_MIXES, **OLD_TILES}}
 

@@ -5,9 +5,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
-from k3jax.functional.attn_res import attn_res_mix
+from k3jax.config import MoEConfig
+from k3jax.functional.attn_res import DepthMix, attn_res_mix
 from k3jax.functional.norms import rms_norm
+from k3jax.layers.basic import RMSNorm
+from k3jax.layers.mlp import activation
+from k3jax.layers.moe import MoE
 from pallas_kernels.depth_mix import mix_norm
 
 DEPTH, EPS, MIX_EPS = 200, 1e-5, 1e-6  # D not a power of two: the padded columns are masked
@@ -62,14 +67,6 @@ def test_bad_inputs_are_refused():
 def test_moe_reads_a_depth_mix_as_its_value(latent):
     """A layer handed a ``DepthMix`` (what the decoder passes) computes what it computes on the mix's
     value; the MoE without a latent reads its normed input itself, so it takes the value first."""
-    from flax import nnx
-
-    from k3jax.config import MoEConfig
-    from k3jax.functional.attn_res import DepthMix
-    from k3jax.layers.basic import RMSNorm
-    from k3jax.layers.mlp import activation
-    from k3jax.layers.moe import MoE
-
     d = 24
     cfg = MoEConfig(num_experts=4, experts_per_token=2, num_shared_experts=1, intermediate_size=8, latent_size=latent)
     moe = MoE(d, cfg, activation("silu"), 1e-6, rngs=nnx.Rngs(0))

@@ -9,6 +9,7 @@ sources.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -82,14 +83,16 @@ class DepthMix:
         return dataclasses.replace(self, blocks=self.blocks.reshape(self.blocks.shape[0], *partial.shape),
                                    partial=partial)
 
+    @functools.cached_property
     def _mix(self) -> tuple[Array, Array]:
+        """The mix and its weights, computed once for value() and weights()."""
         return attn_res_mix(self.blocks, self.n_blocks, self.partial, self.norm_weight, self.proj_weight, self.eps)
 
     def value(self) -> Array:
-        return self._mix()[0].astype(self.partial.dtype)
+        return self._mix[0].astype(self.partial.dtype)
 
     def weights(self) -> Array:
-        return self._mix()[1]
+        return self._mix[1]
 
 
 __all__ = ["DepthMix", "attn_res_mix"]

@@ -85,11 +85,10 @@ def _mixed(mix: DepthMix, norm: "RMSNorm | None", kernel: bool) -> tuple[Array, 
         return mix.value(), norm
     from pallas_kernels.depth_mix import mix_norm
 
-    lead, depth = mix.shape[:-1], mix.shape[-1]
-    rows = mix.partial.reshape(-1, depth)
-    out = mix_norm(rows, mix.blocks.reshape(mix.blocks.shape[0], *rows.shape), mix.n_blocks, mix.norm_weight,
-                   mix.proj_weight, mix.eps, None if norm is None else (norm.weight[...], norm.eps))
-    return out.reshape(*lead, depth), None
+    rows = mix.reshape(-1, mix.shape[-1])
+    out = mix_norm(rows.partial, rows.blocks, rows.n_blocks, rows.norm_weight, rows.proj_weight, rows.eps,
+                   None if norm is None else (norm.weight[...], norm.eps))
+    return out.reshape(mix.shape), None
 
 
 def project(x: "Array | DepthMix", weights: Sequence[Array], dtypes: Sequence | None = None,
