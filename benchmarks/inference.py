@@ -72,6 +72,7 @@ def main() -> None:
                     "(k3jax.layers.basic.MATVEC_KERNEL_ROWS; default: the library's)")
     ap.add_argument("--profile", default="", help="XLA dump folder (set XLA_FLAGS to dump there; see "
                     "kernel_profile.py): print where the device time of a decode step and a prefill chunk goes")
+    ap.add_argument("--profile-top", type=int, default=25, help="rows per profile table")
     args = ap.parse_args()
     if args.matvec_rows is not None:
         basic.MATVEC_KERNEL_ROWS = args.matvec_rows  # read when a step is traced
@@ -107,7 +108,7 @@ def main() -> None:
                     return state["token"]
 
                 print(f"\n## decode B={batch}, step {step * 1e6:,.0f} us")
-                print(kernel_table(once, dumped_source_paths(args.profile, "decode")))
+                print(kernel_table(once, dumped_source_paths(args.profile, "decode"), top=args.profile_top))
             floor = decode_floor_bytes(cfg, counts, batch, args.prompt + 1) / bw
             rows.append((f"decode B={batch}", f"{step * 1e3:.2f} ms", f"floor {floor * 1e3:.2f} ms",
                          f"{step / floor:.1f}x floor", f"{batch / step:,.0f} tok/s"))
@@ -125,7 +126,7 @@ def main() -> None:
                 print(f"\n## prefill chunk of 2048 tokens (of {T})")
                 last = jnp.full((1,), 2047, jnp.int32)
                 print(kernel_table(lambda: gen._extend(gen._weights, chunk, gen.init_cache(1), start, lengths, last)[0],
-                                   dumped_source_paths(args.profile, "extend"), calls=2))
+                                   dumped_source_paths(args.profile, "extend"), calls=2, top=args.profile_top))
             mla = cfg.mla
             head = cfg.vocab_size * cfg.hidden_size  # the output head runs on each prompt's last token only
             flops = 2 * (counts.active - head) * T + 2 * head + cfg.layer_types.count("mla") * 2 * T * T * (

@@ -55,6 +55,19 @@ def _kda_core_fused(q, k, v, z, a_log, dt_bias, beta_logits, state, lower_bound:
     return kernels.chunk_kda_fused(q, k, v, z, a_log, dt_bias, beta_logits, lower_bound, state)
 
 
+def _short_convs(xs, taps, state, lengths):
+    """silu of the causal short convs of q, k, v [B, T, F] (one conv over their channels side by side)
+    and the new conv state. A decode step (T = 1, no padding) on the Pallas path off TPU takes one
+    kernel that updates the state in place (``pallas_kernels.short_conv``)."""
+    if xs[0].shape[1] == 1 and lengths is None and get_implementation() == "pallas" and jax.default_backend() != "tpu":
+        from pallas_kernels.short_conv import conv_silu_step
+
+        ys, state = conv_silu_step([x[:, 0] for x in xs], taps, state)
+        return (*(y[:, None] for y in ys), state)
+    y, state = causal_conv(jnp.concatenate(xs, axis=-1), jnp.concatenate(taps), state, lengths)
+    return (*jnp.split(jax.nn.silu(y), len(xs), axis=-1), state)
+
+
 class ShortConv(nnx.Module):
     """A causal depthwise conv's weight over W taps, [F, 1, W] float32 as released. The KDA layer runs
     its three (q, k, v) as one conv over the channels side by side (``causal_conv``)."""
@@ -106,11 +119,10 @@ class KDA(nnx.Module):
         gate_in = self.g_proj if hasattr(self, "g_proj") else self.g_a_proj
         maps = (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj, gate_in)
         q, k, v, f_a, beta_logits, gate = project(x, [m.weight[...] for m in maps], norm=norm)
-        taps = jnp.concatenate([c.weight[...][:, 0] for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])
-        qkv, conv = causal_conv(jnp.concatenate([q, k, v], axis=-1), taps, state.conv, lengths)
-        q, k, v = (heads(a) for a in jnp.split(jax.nn.silu(qkv), 3, axis=-1))
+        taps = [c.weight[...][:, 0] for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)]
+        *qkv, conv = _short_convs((q, k, v), taps, state.conv, lengths)
+        q, k, v = (heads(a) for a in qkv)
         z = heads(self.f_b_proj(f_a))
-        beta_logits = beta_logits.astype(jnp.float32)
         a_log, dt_bias = self.A_log[...], self.dt_bias[...].reshape(H, K)
         if self.lower_bound is not None and get_implementation() == "pallas":
             if valid is not None:  # padding neither decays nor writes the state: g = 0, beta = 0
@@ -130,7 +142,7 @@ class KDA(nnx.Module):
             g = F.softplus_gate(z, a_log, dt_bias)
         else:
             g = F.bounded_gate(z, a_log, dt_bias, self.lower_bound)
-        beta = jax.nn.sigmoid(beta_logits)
+        beta = jax.nn.sigmoid(beta_logits.astype(jnp.float32))
         if valid is not None:  # padding neither decays nor writes the state
             g = jnp.where(valid[:, :, None, None], g, 0.0)
             beta = jnp.where(valid[:, :, None], beta, 0.0)

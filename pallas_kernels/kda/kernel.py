@@ -278,11 +278,12 @@ def state_walk(w, u, qg, kg, aqk, gend, initial_state, *, blocks):
 
 def _decode_update(q, k, v, g, beta, state, gate, *, scale, lower_bound):
     """One token's KDA update of a [K, bv] state block. q, k, g [K]; v [bv]; beta [1]; gate None, or
-    (exp(A_log), dt_bias) [K] for raw inputs. Returns (o [bv], new state [K, bv]), float32."""
+    (A_log [1], dt_bias [K]) for raw inputs. Returns (o [bv], new state [K, bv]), float32."""
     q, k, g, beta = (x.astype(_F32) for x in (q, k, g, beta))
     if gate is not None:  # raw inputs: L2-normalize q, k; bounded gate from z; sigmoid of the beta logit
         q, k = _l2_normalize(q), _l2_normalize(k)
-        g = lower_bound * _sigmoid(gate[0] * (g + gate[1]))
+        a_log, dt_bias = (x.astype(_F32) for x in gate)
+        g = lower_bound * _sigmoid(jnp.exp(a_log) * (g + dt_bias))
         beta = _sigmoid(beta)
     state = state * jnp.exp(g)[:, None]  # decayed state
     # Both reductions read the decayed state, so they run together: with S' = S + (beta k) r^T,
@@ -305,23 +306,26 @@ def _decode_kernel(*refs, fused, **kw):
                                                 s_ref[...], gate, **kw)
 
 
-def decode_step(q, k, v, g, beta, state, gate_params=None, *, scale, blocks, lower_bound=0.0):
+def decode_step(q, k, v, g, beta, state, gate=None, *, scale, blocks, lower_bound=0.0):
     """One token per sequence: q, k, g [B, H, K]; v [B, H, V]; beta [B, H]; state [B, H, K, V] f32.
-    gate_params None, or (exp(A_log) [H, K], dt_bias [H, K]) float32 for the fused gate (then g holds
-    the raw z, beta the logits and q, k are not yet normalized), as in ``intra_chunk``.
+    gate None, or the layer's raw gate parameters (A_log [H], dt_bias [H, K]) for the fused gate (then
+    g holds the raw z, beta the logits and q, k are not yet normalized). Inputs are read in their own
+    dtypes (bf16 or float32) and converted in the kernel, and exp(A_log) is taken there too: at a
+    batch-1 step each conversion in XLA would be a kernel launch of its own.
 
     Returns o float32 [B, H, V] and the new state (written over the input state's buffer).
     """
     B, H, K = q.shape
     V = v.shape[-1]
     bv = min(blocks.decode_block_v, V)
-    fused = gate_params is not None
-    args = [q, k, v, g, beta[..., None]] + (list(gate_params) if fused else [])
+    fused = gate is not None
+    args = [q, k, v, g, beta[..., None]] + ([gate[0].reshape(H, 1), gate[1]] if fused else [])
     vec = pl.BlockSpec((None, None, K), lambda b, h, j: (b, h, 0))
     v_spec = pl.BlockSpec((None, None, bv), lambda b, h, j: (b, h, j))
     s_spec = pl.BlockSpec((None, None, K, bv), lambda b, h, j: (b, h, 0, j))
     in_specs = [vec, vec, v_spec, vec, pl.BlockSpec((None, None, 1), lambda b, h, j: (b, h, 0))]
-    in_specs += [pl.BlockSpec((None, K), lambda b, h, j: (h, 0))] * (2 if fused else 0)
+    if fused:
+        in_specs += [pl.BlockSpec((None, 1), lambda b, h, j: (h, 0)), pl.BlockSpec((None, K), lambda b, h, j: (h, 0))]
     kernel = functools.partial(_decode_kernel, fused=fused, scale=scale, lower_bound=lower_bound)
     return pl.pallas_call(
         kernel, grid=(B, H, V // bv), in_specs=in_specs + [s_spec], out_specs=[v_spec, s_spec],

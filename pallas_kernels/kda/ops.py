@@ -70,16 +70,19 @@ def _tpu_interpret():
     return pltpu.InterpretParams()
 
 
-def _decode(q, k, v, g, beta, state, gate_params, *, scale, blocks, lower_bound=0.0):
+def _decode(q, k, v, g, beta, state, gate, *, scale, blocks, lower_bound=0.0):
+    """gate: None, or the raw (A_log [H], dt_bias [H, K]), which the Triton kernel reads as they are
+    (and beta in its dtype); the Mosaic kernels take ``_gate_params`` and a float32 beta."""
     lowering = resolve_decode_lowering(blocks.lowering, q.shape[-1], v.shape[-1], 2 * state.size * 4)
+    if lowering == "triton":
+        return decode_step(q, k, v, g, beta, state, gate, scale=scale, blocks=blocks, lower_bound=lower_bound)
+    gate_params = None if gate is None else _gate_params(*gate, q.shape[-1])
+    beta = beta.astype(jnp.float32)
     if lowering == "mosaic_tpu":
         return tpu.decode_step(q, k, v, g, beta, state, gate_params, scale=scale, lower_bound=lower_bound,
                                interpret=_tpu_interpret())
-    if lowering == "mosaic_gpu":
-        return mosaic_gpu_decode.decode_step(q, k, v, g, beta, state, gate_params, scale=scale,
-                                             lower_bound=lower_bound,
-                                             interpret=mosaic_gpu.interpret_params() if interpret() else False)
-    return decode_step(q, k, v, g, beta, state, gate_params, scale=scale, blocks=blocks, lower_bound=lower_bound)
+    return mosaic_gpu_decode.decode_step(q, k, v, g, beta, state, gate_params, scale=scale, lower_bound=lower_bound,
+                                         interpret=mosaic_gpu.interpret_params() if interpret() else False)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
@@ -152,8 +155,8 @@ def chunk_kda_fused(q, k, v, z, a_log, dt_bias, beta_logits, lower_bound: float 
         raise ValueError(f"lower_bound {lower_bound} < {MIN_LOWER_BOUND}: use reference.chunk_kda_fused")
     if initial_state is None:
         initial_state = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
-    return _chunk_kda_fused(q, k, v, z, a_log, dt_bias, beta_logits, initial_state, float(lower_bound),
-                            scale, blocks)
+    return _chunk_kda_fused(q, k, v, z, a_log, dt_bias, beta_logits.astype(jnp.float32), initial_state,
+                            float(lower_bound), scale, blocks)
 
 
 def step_kda(q, k, v, g, beta, state, scale=None, *, blocks: KDABlocks = DEFAULT_BLOCKS):
@@ -171,7 +174,8 @@ def step_kda_fused(q, k, v, z, a_log, dt_bias, beta_logits, state, lower_bound: 
     The q/k L2 norms, K3's bounded gate and the beta sigmoid run inside the kernel. Returns
     (o float32 [B, H, V], state). Not differentiable."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _decode(q, k, v, z, beta_logits, state, _gate_params(a_log, dt_bias, q.shape[-1]), scale=scale,
+    H, K = q.shape[-2:]
+    return _decode(q, k, v, z, beta_logits, state, (a_log.reshape(H), dt_bias.reshape(H, K)), scale=scale,
                    blocks=blocks, lower_bound=float(lower_bound))
 
 

@@ -1,0 +1,103 @@
+"""One decode step of KDA's short convolutions and SiLU, with the conv state updated in place.
+
+``conv_silu_step(xs, taps, state)`` is, for one new token per sequence, what the KDA layer computes as
+``causal_conv(concatenate(xs), concatenate(taps), state)`` followed by ``jax.nn.silu``
+(``k3jax.functional.conv``): per channel c of input i,
+
+    y[b, c] = silu(state[b, 0, c'] w[c, 0] + ... + state[b, W-2, c'] w[c, W-2] + x[b, c] w[c, W-1])
+
+in float32 with that summation order (c' = c + i F: the inputs' channels side by side in the state,
+as the layer stores them), and the state moves up one token: rows 1.. become rows 0.., and x becomes
+the last row. XLA does this at a decode step as two kernels (a copy of the state buffer, which the
+update would otherwise overwrite while reading it, then one fusion), plus the concatenations; here
+one program per (sequence, input, block of channels) reads its state columns, then writes them, so the
+state is updated where it lies (the output aliases it). Interpret mode on CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from k3jax.implementation import pallas_interpret
+from k3jax.typing import Array
+
+_F32 = jnp.float32
+BLOCK_CHANNELS = 256  # channels per program (at most; a power of two dividing F)
+
+
+def _conv_silu_kernel(*refs, n_inputs: int, block: int):
+    """Refs: xs [B, F] (n_inputs), taps [F, W] (n_inputs), the state input [B, W-1, n F], then ys [B, F]
+    float32 (n_inputs) and the state output, which is the state input's buffer (aliased): the state is
+    read and written through that one ref, so its loads and stores keep their program order."""
+    xs, taps = refs[:n_inputs], refs[n_inputs:2 * n_inputs]
+    ys, state = refs[2 * n_inputs + 1:3 * n_inputs + 1], refs[-1]
+    b, program = pl.program_id(0), pl.program_id(1)
+    width = xs[0].shape[1]
+    rows = state.shape[1]  # W - 1
+    blocks_per_input = width // block
+    for i in range(n_inputs):
+        @pl.when(program // blocks_per_input == i)
+        def _(i=i):
+            first = pl.multiple_of((program % blocks_per_input) * block, block)
+            channels = pl.ds(first, block)
+            at = lambda r: (pl.ds(b, 1), pl.ds(r, 1), pl.ds(i * width + first, block))
+            x = xs[i][pl.ds(b, 1), channels].astype(_F32).reshape(block)
+            past = [state[at(r)].reshape(block) for r in range(rows)]
+            tap = lambda j: pltriton.load(taps[i].at[channels, pl.ds(j, 1)]).reshape(block)
+            y = jnp.zeros((block,), _F32)
+            for j, value in enumerate(past + [x]):
+                y = y + value * tap(j)
+            ys[i][pl.ds(b, 1), channels] = (y / (1.0 + jnp.exp(-y))).reshape(1, block)
+            for r, value in enumerate(past[1:] + [x]):
+                state[at(r)] = value.reshape(1, 1, block)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def _conv_silu_step(xs, taps, state, *, interpret: bool):
+    B, width = xs[0].shape
+    block = min(BLOCK_CHANNELS, width & -width)
+    n = len(xs)
+    out_shape = [jax.ShapeDtypeStruct((B, width), _F32)] * n + [jax.ShapeDtypeStruct(state.shape, _F32)]
+    *ys, new_state = pl.pallas_call(
+        functools.partial(_conv_silu_kernel, n_inputs=n, block=block),
+        out_shape=out_shape,
+        grid=(B, n * (width // block)),
+        input_output_aliases={2 * n: n},
+        compiler_params=None if interpret else pltriton.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="conv_silu_step",
+    )(*xs, *taps, state)
+    return tuple(ys), new_state
+
+
+def conv_silu_step(xs: Sequence[Array], taps: Sequence[Array], state: Array, *,
+                   interpret: bool | None = None) -> tuple[tuple[Array, ...], Array]:
+    """xs: n arrays [B, F] (one token per sequence; bf16 or float32), taps: n float32 [F, W], state:
+    float32 [B, W-1, n F] (the inputs' last W-1 tokens, side by side) -> (n float32 [B, F]: silu of
+    each causal conv, the new state [B, W-1, n F], written over the state's buffer where the caller no
+    longer needs it, as in a decode step with a donated cache)."""
+    xs, taps = tuple(xs), tuple(taps)
+    if not xs or len(taps) != len(xs):
+        raise ValueError(f"conv_silu_step needs as many taps as inputs (at least one), got {len(xs)} and {len(taps)}")
+    B, width = xs[0].shape
+    for i, (x, w) in enumerate(zip(xs, taps)):
+        if x.shape != (B, width):
+            raise ValueError(f"input {i} must be [B, F] = [{B}, {width}] like input 0, got {x.shape}")
+        if w.ndim != 2 or w.shape[0] != width or w.shape[1] < 2:
+            raise ValueError(f"taps {i} must be [F, W] with F = {width} and W >= 2, got {w.shape}")
+    W = taps[0].shape[1]
+    if state.shape != (B, W - 1, len(xs) * width) or state.dtype != _F32:
+        raise ValueError(f"state must be float32 [B, W-1, n F] = [{B}, {W - 1}, {len(xs) * width}], "
+                         f"got {state.dtype} {state.shape}")
+    taps = tuple(w.astype(_F32) for w in taps)
+    interpret = pallas_interpret() if interpret is None else interpret
+    return _conv_silu_step(xs, taps, state, interpret=interpret)
+
+
+__all__ = ["BLOCK_CHANNELS", "conv_silu_step"]

@@ -1,0 +1,51 @@
+"""The decode step's short convs + SiLU kernel (pallas_kernels/short_conv.py, interpret mode on CPU)
+against ``causal_conv`` over the inputs side by side, then ``jax.nn.silu``."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from k3jax.functional.conv import causal_conv
+from pallas_kernels.short_conv import conv_silu_step
+
+W = 4
+
+
+def _inputs(batch: int, width: int, dtype, seed: int):
+    keys = jax.random.split(jax.random.key(seed), 7)
+    xs = [jax.random.normal(k, (batch, width), dtype) for k in keys[:3]]
+    taps = [jax.random.normal(k, (width, W)) for k in keys[3:6]]
+    state = jax.random.normal(keys[6], (batch, W - 1, 3 * width))
+    return xs, taps, state
+
+
+@pytest.mark.parametrize("batch,width,dtype", [(1, 48, jnp.bfloat16), (3, 512, jnp.float32)])
+def test_conv_silu_step_matches_causal_conv(batch, width, dtype):
+    """48 channels: blocks of 16, three per input; 512: two blocks of 256 per input."""
+    xs, taps, state = _inputs(batch, width, dtype, seed=width)
+    y, new_state = causal_conv(jnp.concatenate(xs, axis=-1)[:, None], jnp.concatenate(taps), state)
+    ys, got_state = jax.jit(conv_silu_step)(xs, taps, state)
+    assert all(a.shape == (batch, width) and a.dtype == jnp.float32 for a in ys)
+    np.testing.assert_allclose(np.concatenate(ys, axis=-1), jax.nn.silu(y[:, 0]), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(got_state, new_state)
+
+
+def test_lowers_for_cuda_through_triton():
+    f = lambda xs, taps, state: conv_silu_step(xs, taps, state, interpret=False)
+    xs = [jax.ShapeDtypeStruct((2, 2048), jnp.bfloat16)] * 3
+    taps = [jax.ShapeDtypeStruct((2048, W), jnp.float32)] * 3
+    state = jax.ShapeDtypeStruct((2, W - 1, 3 * 2048), jnp.float32)
+    assert "xla.gpu.triton" in jax.jit(f).trace(xs, taps, state).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_bad_inputs_are_refused():
+    xs, taps, state = _inputs(2, 16, jnp.float32, seed=0)
+    with pytest.raises(ValueError, match="as many taps as inputs"):
+        conv_silu_step(xs, taps[:2], state)
+    with pytest.raises(ValueError, match=r"input 1 must be \[B, F\]"):
+        conv_silu_step([xs[0], xs[1][:, :8], xs[2]], taps, state)
+    with pytest.raises(ValueError, match=r"taps 2 must be \[F, W\]"):
+        conv_silu_step(xs, [taps[0], taps[1], taps[2][:8]], state)
+    with pytest.raises(ValueError, match=r"state must be float32 \[B, W-1, n F\]"):
+        conv_silu_step(xs, taps, state[:, :2])
