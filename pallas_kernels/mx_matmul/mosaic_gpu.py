@@ -61,8 +61,6 @@ CHUNK_BYTES = 16  # code bytes per 32-element scale block
 _TMA_MAX_BOX = 256  # elements per dimension of one TMA copy
 _SCALE_COLUMN_ALIGN = 16  # a TMA row must be a multiple of 16 bytes
 _F32, _BF16 = jnp.float32, jnp.bfloat16
-_SWIZZLE_BYTES = 128  # x tiles: rows of 64 bf16 in 8-row tiles, 16-byte chunks swizzled by row
-_X_TILE_COLS = _SWIZZLE_BYTES // 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,25 +68,15 @@ class MosaicBlocks:
     """bk: contracted elements per step (128 or 256: one or two scale blocks per thread and row);
     stages: steps whose tiles are in flight; out_mn: the kernel writes out [M, N] itself (each thread
     stores its accumulator values transposed into a shared [Mp, 64] tile, TMA copies its first M
-    rows), so no XLA slice and transpose follow it (measured faster at M = 1 only, README).
-    accumulators: a step's A operand is split along K into this many parts of bk / accumulators
-    columns, each multiplied into its own float32 accumulator (independent wgmma chains), the
-    accumulators added once at the end. decode_ahead: the next step's codes are decoded while this
-    step's wgmmas run (the decoded A operand is carried to the next step; needs stages >= 2)."""
+    rows), so no XLA slice and transpose follow it (measured faster at M = 1 only, README)."""
 
     bk: int = 256
     stages: int = 2
     out_mn: bool = False
-    accumulators: int = 1
-    decode_ahead: bool = False
 
     def __post_init__(self):
         if self.bk not in (128, 256) or self.stages < 1:
             raise ValueError(f"bk must be 128 or 256 and stages >= 1, got {self}")
-        if self.accumulators not in (1, 2, 4) or self.bk // self.accumulators < _X_TILE_COLS:
-            raise ValueError(f"accumulators must be 1, 2 or 4 with bk / accumulators >= {_X_TILE_COLS}, got {self}")
-        if self.decode_ahead and self.stages < 2:
-            raise ValueError(f"decode_ahead needs stages >= 2, got {self}")
 
 
 def _slot_sources(p, bk: int):
@@ -178,18 +166,19 @@ _ANY_IN_WARP = ("{ .reg .pred p, q; setp.ne.u32 p, $1, 0; vote.sync.any.pred q, 
 _ONE_MULTIPLY_MAX_SCALE = 128  # 2**126 * 2**(s - 127) = 2**(s - 1) is a finite bf16 up to here (255 is NaN)
 
 
-def _decode_registers(bk: int, parts: int):
+def _decode_registers(bk: int):
     """Inline Mosaic GPU function (ctx, codes_ref [64, bk/2] uint8, scales_ref [64, bk/32] uint8
-    in shared memory) -> a tuple of ``parts`` bf16 [64, bk/parts] in the WGMMA register layout: the
-    columns of a bf16 [64, bk] (column p = k_permutation[p]) in parts of bk/parts, in order."""
+    in shared memory) -> bf16 [64, bk] in the WGMMA register layout (column p = k_permutation[p])."""
     import jax.experimental.mosaic.gpu as mgpu
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, memref, scf
 
-    chunks, part_cols = bk // 128, bk // parts
-    part_type = plgpu.ShapeDtypeStruct((ROWS, part_cols), _BF16, layout=plgpu.Layout.WGMMA)
+    chunks = bk // 128
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()), return_type=(part_type,) * parts)
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.RefType(), plgpu.RefType()),
+        return_type=plgpu.ShapeDtypeStruct((ROWS, bk), _BF16, layout=plgpu.Layout.WGMMA),
+    )
     def decode(ctx, codes_ref, scales_ref):
         del ctx
         i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
@@ -245,16 +234,17 @@ def _decode_registers(bk: int, parts: int):
             scf.yield_(decoded(one_multiply=False))
         with ir.InsertionPoint(branch.else_block):
             scf.yield_(decoded(one_multiply=True))
-        groups = part_cols // 8  # register column groups t (8 columns each) per part
-        out_regs = [np.empty(layout.registers_shape((ROWS, part_cols)), dtype=object) for _ in range(parts)]
+        out_regs = np.empty(layout.registers_shape((ROWS, bk)), dtype=object)
         for i, (t0, h, _, _) in enumerate(loads):
             for r in range(16):  # word r // 4, output r % 4
-                t = t0 + r
-                out_regs[t // groups][(0, t % groups, 0, 0, h, 0, 0, 0, 0)] = mgpu.utils.bitcast(
-                    branch.results[16 * i + r], bf16x2)
-        return tuple(mgpu.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None) for regs in out_regs)
+                out_regs[(0, t0 + r, 0, 0, h, 0, 0, 0, 0)] = mgpu.utils.bitcast(branch.results[16 * i + r], bf16x2)
+        return mgpu.FragmentedArray(_registers=out_regs, _layout=layout, _is_signed=None)
 
     return decode
+
+
+_SWIZZLE_BYTES = 128  # x tiles: rows of 64 bf16 in 8-row tiles, 16-byte chunks swizzled by row
+_X_TILE_COLS = _SWIZZLE_BYTES // 2
 
 
 def _x_tile_transforms() -> tuple:
@@ -295,29 +285,10 @@ def _warpgroup_barrier():
     return barrier
 
 
-def _keep_alive(parts: int):
-    """Inline Mosaic GPU function (ctx, *arrays in the WGMMA layout): an empty asm with side effects
-    that reads every register of the arrays, so the decoded A operand of a wgmma stays alive (its
-    registers not reused by the next step's decode) until after the ``wgmma_wait`` before it."""
-    import jax.experimental.mosaic.gpu as mgpu
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import llvm
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,) * parts)
-    def keep(ctx, *arrays):
-        del ctx
-        i32 = ir.IntegerType.get_signless(32)
-        regs = [mgpu.utils.bitcast(r, i32) for a in arrays for r in a.registers.flat]
-        llvm.inline_asm(ir.Type.parse("!llvm.void"), regs, "", ",".join(["r"] * len(regs)), has_side_effects=True)
-
-    return keep
-
-
 def _kernel(codes_g, scales_g, x_g, out_g, codes_s, scales_s, x_s, out_s, bars, scale_bar, *,
             n_steps: int, m: int, blocks: MosaicBlocks, interpret: bool):
     """One program: 64 weight rows, one warpgroup."""
-    bk, stages, parts = blocks.bk, blocks.stages, blocks.accumulators
-    part_cols = bk // parts
+    bk, stages = blocks.bk, blocks.stages
     row0 = jax.lax.axis_index("rows") * ROWS
     n_scale_cols = scales_s.shape[1]
 
@@ -332,41 +303,15 @@ def _kernel(codes_g, scales_g, x_g, out_g, codes_s, scales_s, x_s, out_s, bars, 
     for step in range(min(stages, n_steps)):
         fetch(step, step)
     plgpu.barrier_wait(scale_bar.at[0])
-    decode = None if interpret else _decode_registers(bk, parts)
+    decode = None if interpret else _decode_registers(bk)
     barrier = None if interpret else _warpgroup_barrier()
-    keep_alive = None if interpret else _keep_alive(parts)
 
-    def decoded(step, wait=True):
-        """Step's A operand in parts (waits for its slot first, or only where ``wait`` is true)."""
-        slot = jax.lax.rem(step, stages)
+    def tiles(step, slot):
         scales = scales_s.at[:, pl.ds(step * (bk // BLOCK), bk // BLOCK)]
-        if wait is True:
-            plgpu.barrier_wait(bars.at[slot])
-        else:
-            pl.when(wait)(lambda: plgpu.barrier_wait(bars.at[slot]))
+        plgpu.barrier_wait(bars.at[slot])
         if interpret:
-            w = _decode_emulated(codes_s[slot], scales[...], bk)
-            return tuple(w[:, p * part_cols:(p + 1) * part_cols] for p in range(parts))
-        return decode(codes_s.at[slot], scales)
-
-    def x_part(slot, p):
-        return x_s.at[slot] if parts == 1 else x_s.at[slot, :, pl.ds(p * part_cols, part_cols)]
-
-    def multiply(accs, w, slot, acc_refs):
-        """Accumulator p += part p of w times x's part p: interpret mode adds to the float32 arrays
-        accs and returns them; the GPU issues wgmmas into acc_refs (not waited for), accs is ()."""
-        if interpret:
-            return tuple(acc + jnp.dot(wp, x_part(slot, p)[...].T, preferred_element_type=_F32)
-                         for p, (acc, wp) in enumerate(zip(accs, w)))
-        for p, (acc_ref, wp) in enumerate(zip(acc_refs, w)):
-            plgpu.wgmma(acc_ref, wp, plgpu.transpose_ref(x_part(slot, p), (1, 0)))
-        return accs
-
-    def settle(w):
-        """After the step's products: on the GPU wait for the wgmmas, then let w's registers go."""
-        if not interpret:
-            plgpu.wgmma_wait(0)
-            keep_alive(*w)
+            return _decode_emulated(codes_s[slot], scales[...], bk), x_s[slot]
+        return decode(codes_s.at[slot], scales), None
 
     def release(step, slot):
         """The step's tiles are read: once every thread is past its reads, refill the slot with step + stages."""
@@ -376,40 +321,29 @@ def _kernel(codes_g, scales_g, x_g, out_g, codes_s, scales_s, x_s, out_s, bars, 
                 barrier()
             fetch(step + stages, slot)
 
-    def walk(accs, acc_refs=()):
-        """Every step's product into the accumulators (``multiply``); decode_ahead: step + 1 decoded
-        before step's wgmmas are waited for (on the last step its own slot again, nothing waited for)."""
-        if blocks.decode_ahead:
-            def step_fn(step, carry):
-                accs, w = carry
-                slot = jax.lax.rem(step, stages)
-                accs = multiply(accs, w, slot, acc_refs)
-                ahead = decoded(jnp.minimum(step + 1, n_steps - 1), wait=step + 1 < n_steps)
-                settle(w)
-                release(step, slot)
-                return accs, ahead
-
-            return jax.lax.fori_loop(0, n_steps, step_fn, (accs, decoded(0)))[0]
-
-        def step_fn(step, accs):
-            slot = jax.lax.rem(step, stages)
-            w = decoded(step)
-            accs = multiply(accs, w, slot, acc_refs)
-            settle(w)
-            release(step, slot)
-            return accs
-
-        return jax.lax.fori_loop(0, n_steps, step_fn, accs)
-
-    acc_shape = (ROWS, x_s.shape[1])
     if interpret:
-        acc = functools.reduce(jnp.add, walk((jnp.zeros(acc_shape, _F32),) * parts))
-    else:
-        def accumulate(*acc_refs):
-            walk((), acc_refs)
-            return functools.reduce(jnp.add, [acc_ref[...] for acc_ref in acc_refs])
+        def step_fn(step, acc):
+            slot = jax.lax.rem(step, stages)
+            w, x = tiles(step, slot)
+            acc = acc + jnp.dot(w, x.T, preferred_element_type=_F32)
+            release(step, slot)
+            return acc
 
-        acc = pl.run_scoped(accumulate, *[plgpu.ACC(acc_shape, _F32)] * parts)
+        acc = jax.lax.fori_loop(0, n_steps, step_fn, jnp.zeros((ROWS, x_s.shape[1]), _F32))
+    else:
+        def accumulate(acc_ref):
+            def step_fn(step, _):
+                slot = jax.lax.rem(step, stages)
+                w, _ = tiles(step, slot)
+                plgpu.wgmma(acc_ref, w, plgpu.transpose_ref(x_s.at[slot], (1, 0)))
+                plgpu.wgmma_wait(0)  # the A registers are rewritten by the next step's decode
+                release(step, slot)
+                return ()
+
+            jax.lax.fori_loop(0, n_steps, step_fn, ())
+            return acc_ref[...]
+
+        acc = pl.run_scoped(accumulate, plgpu.ACC((ROWS, x_s.shape[1]), _F32))
     if blocks.out_mn:  # out_s [Mp, 64]
         if interpret:
             out_s[...] = acc.T.astype(out_s.dtype)
