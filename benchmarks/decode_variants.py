@@ -1,13 +1,14 @@
-"""Batch-1 decode step of a preset on the Pallas path under the sixth session's switches, in one
+"""Batch-1 decode step of a preset on the Pallas path with and without the latest step changes, in one
 process: every variant's step is traced and compiled first, then the variants are timed round-robin
 (three rounds of 20 steps, best round), so lease-to-lease drift does not enter the comparison.
 
     python3 benchmarks/decode_variants.py [preset]      (default mini; tiny runs on a CPU)
 
-Variants: the default (each AttnRes mix and its norm in ``pallas_kernels.depth_mix``, then the
-matvecs at ``pallas_kernels.matvec.DEFAULT_BLOCKS``); XLA's mixes (``k3jax.layers.basic._mixed``
-forced to its XLA form); the fifth session's matvec tiles; both. Also prints each variant's first
-logits against the default's (with random bf16 weights the model amplifies float32 summation order).
+Variants (module switches read while a step is traced): the default; KDA's short convs by XLA
+(``k3jax.layers.kda._short_convs`` set to its XLA form, instead of ``pallas_kernels.short_conv``);
+the AttnRes block store as a select even where the layer index is known (``k3jax.model._store_block``
+given a traced commit); both. Also prints each variant's first logits against the default's (with
+random bf16 weights the model amplifies float32 summation order).
 """
 
 from __future__ import annotations
@@ -20,21 +21,21 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import pallas_kernels.matvec as matvec
+import k3jax.layers.kda as kda
+import k3jax.model as model_module
 from k3jax import Generator, K3Model, preset, use_implementation
-from k3jax.layers import basic
 
-ORIGINAL = {"mixed": basic._mixed, "blocks": matvec.DEFAULT_BLOCKS}
-XLA_MIXES = {"mixed": lambda mix, norm, kernel: ORIGINAL["mixed"](mix, norm, False)}
-OLD_TILES = {"blocks": matvec.MatvecBlocks(8, 1024, 4, 3)}
-VARIANTS = {"default": {}, "mixes by XLA": XLA_MIXES, "matvec bn 8 bk 1024": OLD_TILES,
-            "both (fifth session)": {**XLA_MIXES, **OLD_TILES}}
+ORIGINAL = {"convs": kda._short_convs, "store": model_module._store_block}
+XLA_CONVS = {"convs": kda._short_convs_xla}
+SELECT_STORE = {"store": lambda blocks, n, partial, commit: ORIGINAL["store"](blocks, n, partial, jnp.asarray(commit))}
+VARIANTS = {"default": {}, "short convs by XLA": XLA_CONVS, "block store by select": SELECT_STORE,
+            "both": {**XLA_CONVS, **SELECT_STORE}}
 
 
 def use(variant: dict) -> None:
     """Set the module switches the next trace reads."""
     settings = {**ORIGINAL, **variant}
-    basic._mixed, matvec.DEFAULT_BLOCKS = settings["mixed"], settings["blocks"]
+    kda._short_convs, model_module._store_block = settings["convs"], settings["store"]
 
 
 def main() -> None:

@@ -91,23 +91,32 @@ class DecoderLayer(nnx.Module):
         x = x + a
         return x + self.ffn(x), jnp.zeros((), x.dtype), cache
 
-    def attn_res(self, carry: tuple[Array, Array, Array], commit: Array, cache=None, ctx=None):
-        """K3's Block AttnRes step. carry = (blocks [N, B, T, D], n_blocks, x); ``commit`` (a bool,
-        possibly traced) says this layer starts a block. Returns the new carry, the two mixes'
+    def attn_res(self, carry: tuple[Array, Array, Array], commit: "bool | Array", cache=None, ctx=None):
+        """K3's Block AttnRes step. carry = (blocks [N, B, T, D], n_blocks, x); ``commit`` (a Python
+        bool for unrolled layers, a traced one in a scan) says this layer starts a block. Returns the new carry, the two mixes'
         weights [2, N+1, B, T] and the layer's cache."""
         blocks, n, partial = carry
         h = self.self_attention_res.deferred(blocks, n, partial)  # computed by its reader (``project``)
         with jax.named_scope("attn_res"):
             w_attn = h.weights()
-        slot = jax.lax.dynamic_index_in_dim(blocks, n, axis=0, keepdims=False)
-        blocks = jax.lax.dynamic_update_index_in_dim(blocks, jnp.where(commit, partial, slot), n, axis=0)
-        n = n + commit.astype(n.dtype)
+        blocks, n = _store_block(blocks, n, partial, commit)
         a, cache = self.attention(h, cache, ctx)
         partial = jnp.where(commit, jnp.zeros_like(partial), partial) + a
         h = self.mlp_res.deferred(blocks, n, partial)
         with jax.named_scope("attn_res"):
             w_mlp = h.weights()
         return (blocks, n, partial + self.ffn(h)), jnp.stack([w_attn, w_mlp]), cache
+
+
+def _store_block(blocks: Array, n: Array, partial: Array, commit) -> tuple[Array, Array]:
+    """(blocks, n) after a layer that starts a block when ``commit``: partial stored as block n. A
+    Python bool decides while tracing (no update at all where it is False: XLA would not always drop a
+    slot written back onto itself); a traced one selects."""
+    if isinstance(commit, bool):
+        return (jax.lax.dynamic_update_index_in_dim(blocks, partial, n, axis=0), n + 1) if commit else (blocks, n)
+    slot = jax.lax.dynamic_index_in_dim(blocks, n, axis=0, keepdims=False)
+    blocks = jax.lax.dynamic_update_index_in_dim(blocks, jnp.where(commit, partial, slot), n, axis=0)
+    return blocks, n + commit.astype(n.dtype)
 
 
 class Positions(NamedTuple):
@@ -217,7 +226,7 @@ class K3Model(nnx.Module):
         if block:
             blocks = jnp.zeros((-(-cfg.num_layers // block), *x.shape), x.dtype)
             carry = (blocks, jnp.asarray(0, jnp.int32), x)
-            step = lambda layer, c, i, lc: layer.attn_res(c, jnp.asarray(i % block == 0), lc, ctx)
+            step = lambda layer, c, i, lc: layer.attn_res(c, i % block == 0, lc, ctx)
         else:
             carry = x
             step = lambda layer, c, i, lc: layer.residual(c, lc, ctx)

@@ -11,7 +11,6 @@ from flax import nnx
 from k3jax.config import KDAConfig
 from k3jax.functional import kda as F
 from k3jax.functional.conv import causal_conv
-from k3jax.functional.norms import gated_rms_norm
 from k3jax.implementation import get_implementation
 from k3jax.layers.basic import Linear, RMSNorm, Rngs, normal, project
 from k3jax.typing import Array
@@ -55,17 +54,22 @@ def _kda_core_fused(q, k, v, z, a_log, dt_bias, beta_logits, state, lower_bound:
     return kernels.chunk_kda_fused(q, k, v, z, a_log, dt_bias, beta_logits, lower_bound, state)
 
 
+def _short_convs_xla(xs, taps, state, lengths):
+    """silu of the causal short convs of q, k, v [B, T, F] (one conv over their channels side by side,
+    ``causal_conv``) and the new conv state."""
+    y, state = causal_conv(jnp.concatenate(xs, axis=-1), jnp.concatenate(taps), state, lengths)
+    return (*jnp.split(jax.nn.silu(y), len(xs), axis=-1), state)
+
+
 def _short_convs(xs, taps, state, lengths):
-    """silu of the causal short convs of q, k, v [B, T, F] (one conv over their channels side by side)
-    and the new conv state. A decode step (T = 1, no padding) on the Pallas path off TPU takes one
-    kernel that updates the state in place (``pallas_kernels.short_conv``)."""
+    """``_short_convs_xla``, or for a decode step (T = 1, no padding) on the Pallas path off TPU one
+    kernel that also updates the state in place (``pallas_kernels.short_conv``)."""
     if xs[0].shape[1] == 1 and lengths is None and get_implementation() == "pallas" and jax.default_backend() != "tpu":
         from pallas_kernels.short_conv import conv_silu_step
 
         ys, state = conv_silu_step([x[:, 0] for x in xs], taps, state)
         return (*(y[:, None] for y in ys), state)
-    y, state = causal_conv(jnp.concatenate(xs, axis=-1), jnp.concatenate(taps), state, lengths)
-    return (*jnp.split(jax.nn.silu(y), len(xs), axis=-1), state)
+    return _short_convs_xla(xs, taps, state, lengths)
 
 
 class ShortConv(nnx.Module):
@@ -132,8 +136,8 @@ class KDA(nnx.Module):
         else:
             o, rec = self._gates_then_core(q, k, v, z, a_log, dt_bias, beta_logits, state.recurrent, valid)
         gate = gate if hasattr(self, "g_proj") else self.g_b_proj(gate)
-        o = gated_rms_norm(o, heads(gate), self.o_norm.weight[...], self.eps).astype(x.dtype)
-        return self.o_proj(o.reshape(B, T, H * K)), KDAState(conv, rec)
+        o = project(o.reshape(B, T, H * K), [self.o_proj.weight[...]], [x.dtype], self.o_norm, gate=gate)[0]
+        return o, KDAState(conv, rec)
 
     def _gates_then_core(self, q, k, v, z, a_log, dt_bias, beta_logits, state, valid):
         """Norms and gates in plain JAX, then the plain (q, k, v, g, beta) contract."""
