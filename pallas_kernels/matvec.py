@@ -17,6 +17,14 @@ run on the CUDA cores, not the matrix units: at M <= 16 the kernel is bound by r
 loads, no copy) times a [bn >= 16, bk] weight tile, bf16 operands where x and W are both bf16 (their
 products are exact in float32), else float32 operands at precision HIGHEST; float32 accumulation.
 
+Input prologue (``Prologue``): the kernel can make its x from what the XLA ops before it would
+have read, so that no small XLA kernel (and its launch) sits between the producer and the matvec:
+a float32 x rounded to bf16 (the routed experts' sums before the latent norm), a gated activation
+of two inputs (a shared expert's act(gate, up)), an RMS norm over the row or per group of columns,
+gated by sigmoid(gate) (KDA's output norm), and a last rounding (to the products' dtype). Every
+program recomputes it from x (small: M x D, from L2): a norm's statistics come from one pass over
+x before the product loop, or, for groups that fit a tile, from the tile itself.
+
 Ragged shapes: a weight of fewer rows than bn gets a block of next_power_of_2(N_i) rows (Triton
 blocks are powers of two); a last block that runs past N_i loads with a row mask (zeros) and stores
 with the same mask; D need not be a multiple of bk (column mask on the last chunk). x and the
@@ -36,7 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax
@@ -75,6 +83,10 @@ class MatvecBlocks:
 
 
 DEFAULT_BLOCKS = MatvecBlocks(bn=4, bk=2048, num_warps=4, num_stages=3)
+# With a gated norm every program recomputes it over the whole row (float32 x, the gate's sigmoids):
+# 16 rows a program share it. KDA's o_proj at mini's shape on the H200 (benchmarks/RESULTS.md, issue 4):
+# 10.4 us a call at bn 16 against 17.5 at bn 4 (XLA's norm + einsum: 23.4, same process).
+GATED_NORM_BLOCKS = MatvecBlocks(bn=16, bk=2048, num_warps=4, num_stages=3)
 
 
 class _Part(NamedTuple):
@@ -118,49 +130,114 @@ def _valid(start, size: int, bound: int) -> Array | None:
     return start + jax.lax.broadcasted_iota(jnp.int32, (size,), 0) < bound if bound % size else None
 
 
-def _x_tiles(x_ref, norm_ref, eps: float | None, rows: int, bk: int, firsts) -> "callable":
-    """x_at(row0, col0) -> x [rows, bk] at those rows and columns (zeros past x's ends), for row0 in
-    ``firsts``. With norm_ref [1, D]: RMS-normed, float32 x * rsqrt(mean(x^2) + eps) * weight rounded
-    to x's dtype (``k3jax.functional.norms.rms_norm``); each row's inverse RMS comes from a pass
-    over x made here, before the caller's loop (x is small: M x D)."""
-    m_rows, depth = x_ref.shape
-    f32 = jnp.float32
+@dataclasses.dataclass(frozen=True)
+class Prologue:
+    """What the kernel makes of x before the products (static; each step optional), in this order:
 
-    def raw(row0, col0):
+    1. x (and act's second input) rounded to ``read_as``;
+    2. x = act(x, second input) (``act``: a jnp function of two [rows, bk] tiles);
+    3. RMS norm over each group of ``group`` columns (``group`` = D: the whole row) with eps and a
+       weight [group], in float32, rounded to x's dtype (``k3jax.functional.norms.rms_norm``);
+    4. with ``gated``: times sigmoid(gate) rounded to x's dtype, in x's dtype (``gated_rms_norm``);
+    5. rounded to ``dtype``.
+
+    A group norm's statistics come from the tile that holds its group (bk is raised to a multiple of
+    the group); a whole-row norm wider than bk takes one pass over x before the product loop."""
+
+    read_as: jnp.dtype | None = None
+    act: Callable | None = None
+    group: int | None = None
+    eps: float | None = None
+    gated: bool = False
+    dtype: jnp.dtype | None = None
+
+
+class _XRefs(NamedTuple):
+    """x [M, D] and what the prologue reads beside it: act's second input [M, D], the norm weight
+    [1, group], the gate [M, D] (None where unused)."""
+
+    x: object
+    second: object
+    norm: object
+    gate: object
+
+
+def _group_sums(a: Array, group: int) -> Array:
+    """Each column's sum over its group of ``group`` columns of a [rows, width] (group dividing
+    width), broadcastable to a's shape."""
+    rows, width = a.shape
+    if group == width:
+        return jnp.sum(a, axis=1, keepdims=True)
+    sums = jnp.sum(a.reshape(rows, width // group, group), axis=2, keepdims=True)
+    return jnp.broadcast_to(sums, (rows, width // group, group)).reshape(rows, width)
+
+
+def _x_tiles(refs: _XRefs, prologue: Prologue, rows: int, bk: int, firsts) -> "callable":
+    """x_at(row0, col0) -> the prologue's x [rows, bk] at those rows and columns (zeros past x's
+    ends), for row0 in ``firsts``."""
+    m_rows, depth = refs.x.shape
+    f32, p = jnp.float32, prologue
+
+    def load(ref, row0, col0):
         mask = _tile_mask(_valid(row0, rows, m_rows) if rows > 1 else None, _valid(col0, bk, depth), (rows, bk))
-        return _load(x_ref.at[pl.ds(row0, rows), pl.ds(col0, bk)], mask)
+        return _load(ref.at[pl.ds(row0, rows), pl.ds(col0, bk)], mask)
 
-    if norm_ref is None:
-        return raw
+    def read(ref, row0, col0):
+        tile = load(ref, row0, col0)
+        return tile if p.read_as is None else tile.astype(p.read_as)
 
-    def inverse_rms(row0):
-        def squares(s, total):
-            x = raw(row0, pl.multiple_of(s * bk, bk)).astype(f32)
-            return total + jnp.sum(x * x, axis=1, keepdims=True)
+    def source(row0, col0):
+        x = read(refs.x, row0, col0)
+        return x if p.act is None else p.act(x, read(refs.second, row0, col0))
 
-        total = jax.lax.fori_loop(0, pl.cdiv(depth, bk), squares, jnp.zeros((rows, 1), f32))
-        return jax.lax.rsqrt(total / depth + eps)
+    finish = (lambda x: x) if p.dtype is None else (lambda x: x.astype(p.dtype))
+    if p.group is None:
+        return lambda row0, col0: finish(source(row0, col0))
 
-    inverse = {row0: inverse_rms(row0) for row0 in firsts}
+    if p.group == depth > bk:
+        def inverse_rms(row0):
+            def squares(s, total):
+                x = source(row0, pl.multiple_of(s * bk, bk)).astype(f32)
+                return total + jnp.sum(x * x, axis=1, keepdims=True)
+
+            total = jax.lax.fori_loop(0, pl.cdiv(depth, bk), squares, jnp.zeros((rows, 1), f32))
+            return jax.lax.rsqrt(total / depth + p.eps)
+
+        inverse = {row0: inverse_rms(row0) for row0 in firsts}
+        inverse_at = lambda row0, x: inverse[row0]
+    else:  # the tile holds whole groups (or the whole row)
+        tile_group = p.group if p.group < depth else bk
+        inverse_at = lambda row0, x: jax.lax.rsqrt(_group_sums(x * x, tile_group) / p.group + p.eps)
+
+    if p.group == depth:
+        weight_at = lambda col0: _load(refs.norm.at[:, pl.ds(col0, bk)],
+                                       _tile_mask(None, _valid(col0, bk, depth), (1, bk)))
+    else:
+        weight = refs.norm[...].reshape(1, 1, p.group)
+        weight_at = lambda col0: jnp.broadcast_to(weight, (1, bk // p.group, p.group)).reshape(1, bk)
 
     def x_at(row0, col0):
-        x = raw(row0, col0)
-        weight = _load(norm_ref.at[:, pl.ds(col0, bk)], _tile_mask(None, _valid(col0, bk, depth), (1, bk)))
-        return (x.astype(f32) * inverse[row0] * weight.astype(f32)).astype(x.dtype)
+        x = source(row0, col0)
+        x32 = x.astype(f32)
+        y = (x32 * inverse_at(row0, x32) * weight_at(col0).astype(f32)).astype(x.dtype)
+        if p.gated:
+            sigmoid = jax.nn.sigmoid(load(refs.gate, row0, col0).astype(f32)).astype(x.dtype)
+            y = (y.astype(f32) * sigmoid.astype(f32)).astype(x.dtype)
+        return finish(y)
 
     return x_at
 
 
-def _block_product(x_ref, norm_ref, w_ref, o_ref, row0, *, bn: int, bk: int, dot: bool, eps: float | None) -> None:
-    """o[:, row0:row0 + bn] = x @ w[row0:row0 + bn]^T in float32, rows past w's end masked (x
-    RMS-normed first with norm_ref, when given).
+def _block_product(x_refs: _XRefs, w_ref, o_ref, row0, *, bn: int, bk: int, dot: bool, prologue: Prologue) -> None:
+    """o[:, row0:row0 + bn] = x @ w[row0:row0 + bn]^T in float32, rows past w's end masked (x as the
+    prologue makes it).
 
     Rows form: a float32 [bn] sum per row of x, each step adding the row sums of w * x_m. Dot form:
     a [DOT_ROWS, bn] float32 accumulator from x (rows past M loaded as zeros) . w^T on the matrix
     units, bf16 operands where both are bf16, else float32 at precision HIGHEST (exact products)."""
-    m_rows, depth = x_ref.shape
+    m_rows, depth = x_refs.x.shape
     row_mask = _valid(row0, bn, w_ref.shape[0])
-    x_at = _x_tiles(x_ref, norm_ref, eps, DOT_ROWS if dot else 1, bk, [0] if dot else range(m_rows))
+    x_at = _x_tiles(x_refs, prologue, DOT_ROWS if dot else 1, bk, [0] if dot else range(m_rows))
 
     def step(s, acc):
         col0 = pl.multiple_of(s * bk, bk)
@@ -185,46 +262,73 @@ def _block_product(x_ref, norm_ref, w_ref, o_ref, row0, *, bn: int, bk: int, dot
         pltriton.store(o_ref.at[pl.ds(m, 1), pl.ds(row0, bn)], acc[m][None, :].astype(o_ref.dtype), mask=out_mask)
 
 
-def _matvecs_kernel(x_ref, *refs, parts: tuple[_Part, ...], bk: int, dot: bool, eps: float | None):
-    """Refs: x [M, D], the RMSNorm weight [1, D] (when eps is given), the weights [N_i, D], then the
-    outputs [M, N_i] (whole arrays)."""
-    norm_ref, refs = (refs[0], refs[1:]) if eps is not None else (None, refs)
+def _matvecs_kernel(*refs, parts: tuple[_Part, ...], bk: int, dot: bool, prologue: Prologue):
+    """Refs: x [M, D]; act's second input [M, D] (with act), the norm weight [1, group] (with a
+    norm), the gate [M, D] (gated); the weights [N_i, D]; then the outputs [M, N_i] (whole arrays)."""
+    uses = (True, prologue.act is not None, prologue.group is not None, prologue.gated)
+    refs = list(refs)
+    x_refs = _XRefs(*(refs.pop(0) if used else None for used in uses))
     w_refs, o_refs = refs[:len(parts)], refs[len(parts):]
     program = pl.program_id(0)
     for w_ref, o_ref, part in zip(w_refs, o_refs, parts):
         @pl.when((program >= part.first) & (program < part.first + part.blocks))
         def _(w_ref=w_ref, o_ref=o_ref, part=part):
             row0 = pl.multiple_of((program - part.first) * part.bn, part.bn)
-            _block_product(x_ref, norm_ref, w_ref, o_ref, row0, bn=part.bn, bk=bk, dot=dot, eps=eps)
+            _block_product(x_refs, w_ref, o_ref, row0, bn=part.bn, bk=bk, dot=dot, prologue=prologue)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtypes", "eps", "blocks", "interpret"))
-def _matvecs(x, norm_weight, weights, *, out_dtypes, eps, blocks: MatvecBlocks, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("out_dtypes", "prologue", "blocks", "interpret"))
+def _matvecs(x, second, norm_weight, gate, weights, *, out_dtypes, prologue: Prologue, blocks: MatvecBlocks,
+             interpret: bool):
     m_rows, depth = x.shape
     min_bn = DOT_ROWS if blocks.dot else 1
     parts = _parts([w.shape[0] for w in weights], blocks.bn, min_bn)
     bk = max(min(blocks.bk, pl.next_power_of_2(depth)), min_bn)
+    if prologue.group is not None and prologue.group < depth:
+        bk = max(bk, prologue.group)
     params = None if interpret else pltriton.CompilerParams(num_warps=blocks.num_warps,
                                                              num_stages=blocks.num_stages)
+    inputs = [a for a in (second, None if norm_weight is None else norm_weight.reshape(1, -1), gate) if a is not None]
     return pl.pallas_call(
-        functools.partial(_matvecs_kernel, parts=parts, bk=bk, dot=blocks.dot, eps=eps),
+        functools.partial(_matvecs_kernel, parts=parts, bk=bk, dot=blocks.dot, prologue=prologue),
         out_shape=tuple(jax.ShapeDtypeStruct((m_rows, w.shape[0]), d) for w, d in zip(weights, out_dtypes)),
         grid=(parts[-1].first + parts[-1].blocks,),
         compiler_params=params,
         interpret=interpret,
         name="matvecs",
-    )(x, *([] if eps is None else [norm_weight.reshape(1, depth)]), *weights)
+    )(x, *inputs, *weights)
+
+
+def _prologue_dtype(x: Array, second: Array | None, prologue: Prologue):
+    """The dtype of the prologue's x (norms keep their input's)."""
+    if prologue.dtype is not None:
+        return prologue.dtype
+    read = lambda a: jax.ShapeDtypeStruct(a.shape, prologue.read_as or a.dtype)
+    return (read(x) if prologue.act is None else jax.eval_shape(prologue.act, read(x), read(second))).dtype
+
+
+def _check_dtype(name: str, dtype) -> None:
+    if dtype is not None and jnp.dtype(dtype) not in DTYPES:
+        raise ValueError(f"{name} must be bfloat16 or float32, got {dtype}")
 
 
 def matvecs(x: Array, weights: Sequence[Array], out_dtypes: Sequence | None = None, *,
-            norm: tuple[Array, float] | None = None, blocks: MatvecBlocks | None = None,
+            read_as=None, act: tuple[Callable, Array] | None = None, norm: tuple[Array, float] | None = None,
+            gate: Array | None = None, x_dtype=None, blocks: MatvecBlocks | None = None,
             interpret: bool | None = None) -> tuple[Array, ...]:
-    """x [M, D] (M <= MAX_ROWS), weights [N_i, D] -> (x @ W_i^T [M, N_i] in out_dtypes[i], ...).
+    """x [M, D] (M <= MAX_ROWS), weights [N_i, D] -> (x' @ W_i^T [M, N_i] in out_dtypes[i], ...),
+    x' what the prologue (``Prologue``, in this order) makes of x inside the kernel:
+
+    - ``read_as``: x (and act's second input) rounded to this dtype first;
+    - ``act`` = (fn, y [M, D]): x' = fn(x, y), a gated activation (``k3jax.functional.moe``);
+    - ``norm`` = (weight [G], eps): RMS-normed as ``k3jax.functional.norms.rms_norm`` over the row
+      (G = D) or over each group of G columns (G a power of two dividing D; KDA's per-head norm);
+    - ``gate`` [M, D]: the norm's output times sigmoid(gate), as ``gated_rms_norm``;
+    - ``x_dtype``: x' rounded to this dtype last (the products' x operand).
 
     bf16 or float32 operands; float32 products and sums, one rounding to the output dtype (default
-    x.dtype). One kernel for all the weights. ``norm`` = (weight [D], eps): x is RMS-normed first,
-    inside the kernel, exactly as ``k3jax.functional.norms.rms_norm`` (float32, rounded to x.dtype).
-    ``blocks`` default: ``DEFAULT_BLOCKS``, read at each call."""
+    x'.dtype). One kernel for all the weights. ``blocks`` default: ``GATED_NORM_BLOCKS`` with a
+    gate, else ``DEFAULT_BLOCKS``, read at each call."""
     weights = tuple(weights)
     if x.ndim != 2 or not 1 <= x.shape[0] <= MAX_ROWS:
         raise ValueError(f"x must be [M, D] with 1 <= M <= {MAX_ROWS}, got shape {x.shape}")
@@ -233,19 +337,31 @@ def matvecs(x: Array, weights: Sequence[Array], out_dtypes: Sequence | None = No
     for i, w in enumerate(weights):
         if w.ndim != 2 or w.shape[1] != x.shape[1] or w.shape[0] < 1:
             raise ValueError(f"weight {i} must be [N, D] with D = {x.shape[1]} (x's), got shape {w.shape}")
-    for operand in (x, *weights):
-        if jnp.dtype(operand.dtype) not in DTYPES:
-            raise ValueError(f"operands must be bfloat16 or float32, got {operand.dtype}")
-    out_dtypes = (x.dtype,) * len(weights) if out_dtypes is None else tuple(out_dtypes)
+    fn, second = (None, None) if act is None else act
+    for name, a in (("act's second input", second), ("gate", gate)):
+        if a is not None and a.shape != x.shape:
+            raise ValueError(f"{name} must have x's shape {x.shape}, got {a.shape}")
+    for operand in (x, *weights, *(a for a in (second, gate) if a is not None)):
+        _check_dtype("operands", operand.dtype)
+    _check_dtype("read_as", read_as)
+    _check_dtype("x_dtype", x_dtype)
+    norm_weight, eps = (None, None) if norm is None else (norm[0], float(norm[1]))
+    depth, group = x.shape[1], None if norm_weight is None else norm_weight.shape[-1]
+    if norm_weight is not None and not (norm_weight.ndim == 1 and jnp.dtype(norm_weight.dtype) in DTYPES and (
+            group == depth or (group & (group - 1) == 0 and depth % group == 0))):
+        raise ValueError(f"norm weight must be [G] bf16 or float32 with G = D = {depth} or a power of two dividing "
+                         f"D, got {norm_weight.shape} {norm_weight.dtype}")
+    if gate is not None and norm is None:
+        raise ValueError("gate needs a norm (the gated RMS norm)")
+    prologue = Prologue(read_as=None if read_as is None else jnp.dtype(read_as), act=fn, group=group, eps=eps,
+                        gated=gate is not None, dtype=None if x_dtype is None else jnp.dtype(x_dtype))
+    out_dtypes = (_prologue_dtype(x, second, prologue),) * len(weights) if out_dtypes is None else tuple(out_dtypes)
     if len(out_dtypes) != len(weights):
         raise ValueError(f"{len(out_dtypes)} out_dtypes for {len(weights)} weights")
-    norm_weight, eps = (None, None) if norm is None else (norm[0], float(norm[1]))
-    if norm_weight is not None and (norm_weight.shape != (x.shape[1],) or jnp.dtype(norm_weight.dtype) not in DTYPES):
-        raise ValueError(f"norm weight must be [D] = [{x.shape[1]}] bf16 or float32, got {norm_weight.shape} "
-                         f"{norm_weight.dtype}")
     interpret = pallas_interpret() if interpret is None else interpret
-    return _matvecs(x, norm_weight, weights, out_dtypes=tuple(jnp.dtype(d) for d in out_dtypes), eps=eps,
-                    blocks=DEFAULT_BLOCKS if blocks is None else blocks, interpret=interpret)
+    return _matvecs(x, second, norm_weight, gate, weights, out_dtypes=tuple(jnp.dtype(d) for d in out_dtypes),
+                    prologue=prologue, blocks=blocks or (DEFAULT_BLOCKS if gate is None else GATED_NORM_BLOCKS),
+                    interpret=interpret)
 
 
-__all__ = ["DEFAULT_BLOCKS", "MAX_ROWS", "MatvecBlocks", "matvecs"]
+__all__ = ["DEFAULT_BLOCKS", "GATED_NORM_BLOCKS", "MAX_ROWS", "MatvecBlocks", "Prologue", "matvecs"]

@@ -5,8 +5,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
-from k3jax.functional.norms import rms_norm
+from k3jax import use_implementation
+from k3jax.functional.moe import situ, swiglu
+from k3jax.functional.norms import gated_rms_norm, rms_norm
+from k3jax.layers import basic
+from k3jax.layers.basic import Activated, RMSNorm, project
 from pallas_kernels.matvec import MAX_ROWS, MatvecBlocks, matvecs
 
 # bn = 8 (16 in the dot form), bk = 64: N = 5 is below the block, 20 and 13 are not multiples of
@@ -54,15 +59,131 @@ def test_rms_norm_inside_matches_norm_then_einsum(m, blocks):
                                    atol=tolerance)
 
 
-@pytest.mark.parametrize("blocks,norm", [(MatvecBlocks(), False), (MatvecBlocks(bn=16, dot=True), True)])
-def test_lowers_for_cuda_through_triton(blocks, norm):
-    """Pallas' Triton lowering of the kernel (masked row and column tiles, two dtypes, with and without
-    the RMSNorm), on the CPU."""
+def _lowering_prologue(name):
+    """matvecs keyword arguments of each prologue, for x [3, 2048] (16 heads of 128 for the gated norm)."""
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    return {"none": {},
+            "rms_norm": dict(norm=(jnp.ones((2048,), f32), 1e-6)),
+            "gated_group_norm": dict(norm=(jnp.ones((128,), bf16), 1e-6), gate=jnp.ones((3, 2048), bf16),
+                                     x_dtype=bf16),
+            "situ": dict(act=(situ, jnp.ones((3, 2048), bf16))),
+            "read_as_norm": dict(read_as=bf16, norm=(jnp.ones((2048,), bf16), 1e-6))}[name]
+
+
+@pytest.mark.parametrize("blocks,prologue", [(MatvecBlocks(), "none"), (MatvecBlocks(bn=16, dot=True), "rms_norm"),
+                                             (MatvecBlocks(bk=512), "gated_group_norm"), (MatvecBlocks(), "situ"),
+                                             (MatvecBlocks(bk=512), "read_as_norm")])
+def test_lowers_for_cuda_through_triton(blocks, prologue):
+    """Pallas' Triton lowering of the kernel (masked row and column tiles, two dtypes, each prologue;
+    a whole-row norm wider than bk takes its pass over x first), on the CPU."""
     args = [jax.ShapeDtypeStruct(s, d) for s, d in
             [((3, 2000), jnp.bfloat16), ((100, 2000), jnp.float32), ((16, 2000), jnp.bfloat16)]]
-    rms = (jnp.ones((2000,), jnp.float32), 1e-6) if norm else None
-    fn = lambda x, *w: matvecs(x, w, (jnp.float32, jnp.bfloat16), norm=rms, blocks=blocks, interpret=False)
+    if prologue != "none":
+        args[0] = jax.ShapeDtypeStruct((3, 2048), jnp.float32 if prologue in ("gated_group_norm", "read_as_norm")
+                                       else jnp.bfloat16)
+        args[1:] = [jax.ShapeDtypeStruct((n, 2048), d) for _, n, d in ((0, 100, jnp.float32), (0, 16, jnp.bfloat16))]
+    kwargs = _lowering_prologue(prologue)
+    fn = lambda x, *w: matvecs(x, w, (jnp.float32, jnp.bfloat16), blocks=blocks, interpret=False, **kwargs)
     assert "xla.gpu.triton" in jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _prologue_case(name, key):
+    """(x, matvecs keyword arguments, blocks, x as the prologue should make it) on random data."""
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    k = jax.random.split(key, 4)
+    normal = lambda i, shape, dtype, scale=1.0: (scale * jax.random.normal(k[i], shape, f32)).astype(dtype)
+    if name in ("gated_group_norm", "gated_group_norm_dot", "group_norm_bk_raised"):
+        m, heads, width = {"gated_group_norm": (1, 3, 16), "gated_group_norm_dot": (3, 4, 16),
+                           "group_norm_bk_raised": (2, 3, 32)}[name]
+        x_dtype, gate_dtype = (f32, bf16) if name == "gated_group_norm" else (bf16, f32)
+        scale = jnp.array([30.0, 0.01, 1.0, 3.0])[:heads].repeat(width)  # heads of very different scale
+        x = normal(0, (m, heads * width), x_dtype, scale)
+        weight = (1.0 + 0.1 * normal(1, (width,), f32)).astype(gate_dtype)
+        groups = x.reshape(m, heads, width)
+        if name == "group_norm_bk_raised":
+            return x, dict(norm=(weight, 1e-5)), MatvecBlocks(bn=8, bk=16), rms_norm(groups, weight, 1e-5).reshape(x.shape)
+        gate = normal(2, x.shape, gate_dtype, 3.0)
+        want = gated_rms_norm(groups, gate.reshape(groups.shape), weight, 1e-5).reshape(x.shape)
+        kwargs = dict(norm=(weight, 1e-5), gate=gate)
+        if name == "gated_group_norm":  # KDA: float32 x, the result rounded to bf16
+            return x, dict(kwargs, x_dtype=bf16), ROWS, want.astype(bf16)
+        return x, kwargs, DOT, want
+    if name in ("situ", "situ_dot", "swiglu"):  # bf16 SwiGLU rounds twice, which XLA may skip: float32
+        m, dtype, act = {"situ": (1, bf16, situ), "situ_dot": (3, bf16, situ), "swiglu": (3, f32, swiglu)}[name]
+        gate, up = normal(0, (m, 72), dtype, 4.0), normal(1, (m, 72), dtype, 4.0)
+        return gate, dict(act=(act, up)), DOT if name == "situ_dot" else ROWS, act(gate, up)
+    depth = {"read_as_row_norm": 72, "read_as_row_norm_one_tile": 40}[name]  # wider than bk / not
+    x = normal(0, (2, depth), f32, 5.0)
+    weight = (1.0 + 0.1 * normal(1, (depth,), f32)).astype(bf16)
+    return x, dict(read_as=bf16, norm=(weight, 1e-5)), ROWS, rms_norm(x.astype(bf16), weight, 1e-5)
+
+
+@pytest.mark.parametrize("name", ["gated_group_norm", "gated_group_norm_dot", "group_norm_bk_raised", "situ",
+                                  "situ_dot", "swiglu", "read_as_row_norm", "read_as_row_norm_one_tile"])
+def test_prologue_matches_its_jnp_reference(name):
+    """Each prologue against the jnp functions it stands for: an identity weight returns the
+    prologue's x itself, equal to the reference up to one ulp of its dtype (the norm's float32 sums
+    in another order); the random weights (ragged) return that x's products."""
+    x, kwargs, blocks, want = _prologue_case(name, jax.random.key(len(name)))
+    depth = x.shape[1]
+    keys = jax.random.split(jax.random.key(7), 2)
+    weights = [jnp.eye(depth, dtype=jnp.float32)] + [jax.random.normal(k, (n, depth), jnp.float32).astype(d)
+                                                     for k, (n, d) in zip(keys, WEIGHTS[:2])]
+    out_dtypes = (jnp.bfloat16, jnp.float32)
+    outs = matvecs(x, weights, (jnp.float32, *out_dtypes), blocks=blocks, **kwargs)
+    ulp = 2.0**-7 if want.dtype == jnp.bfloat16 else 1e-6
+    np.testing.assert_allclose(np.float32(outs[0]), np.float32(want), rtol=ulp, atol=1e-6)
+    for out, w, dtype in zip(outs[1:], weights[1:], out_dtypes):
+        tolerance = 1e-5 if dtype == jnp.float32 else 1e-2
+        np.testing.assert_allclose(np.float32(out), np.float32(_reference(outs[0].astype(want.dtype), w, dtype)),
+                                   rtol=tolerance, atol=tolerance)
+
+
+def _project_site(name, key):
+    """project's arguments at one row for each input the kernel prepares: KDA's output (float32, gated
+    per-head norm, bf16 products), a shared expert's down projection (SiTU), the routed experts'
+    float32 sums read as bf16 before the latent norm."""
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    k = jax.random.split(key, 5)
+    normal = lambda i, shape, dtype, scale=1.0: (scale * jax.random.normal(k[i], shape, f32)).astype(dtype)
+
+    def rms(width):
+        norm = RMSNorm(width, 1e-5, param_dtype=bf16)
+        norm.weight = nnx.Param((1.0 + 0.1 * normal(4, (width,), f32)).astype(bf16))
+        return norm
+
+    if name == "kda_output":
+        return ((normal(0, (1, 1, 48), f32, 3.0), [normal(1, (20, 48), bf16)], [bf16], rms(16)),
+                dict(gate=normal(2, (1, 1, 48), bf16, 3.0)))
+    if name == "shared_expert":
+        return (Activated(situ, normal(0, (1, 1, 72), bf16, 4.0), normal(2, (1, 1, 72), bf16, 4.0)),
+                [normal(1, (20, 72), bf16)]), {}
+    return (normal(0, (1, 1, 64), f32, 3.0), [normal(1, (20, 64), bf16)], None, rms(64)), dict(read_as=bf16)
+
+
+@pytest.mark.parametrize("name", ["kda_output", "shared_expert", "latent_up"])
+def test_project_kernel_prologue_equals_xla(name, monkeypatch):
+    """project on the Pallas path at one row (the matvec kernel, the input prepared in its prologue)
+    against the same call on XLA (kernel rows set to 0): equal up to one bf16 ulp."""
+    args, kwargs = _project_site(name, jax.random.key(len(name)))
+    with use_implementation("pallas"):
+        assert "pallas_call" in str(jax.make_jaxpr(lambda: project(*args, **kwargs))())
+        got = project(*args, **kwargs)[0]
+        monkeypatch.setattr(basic, "MATVEC_KERNEL_ROWS", 0)
+        assert "pallas_call" not in str(jax.make_jaxpr(lambda: project(*args, **kwargs))())
+        want = project(*args, **kwargs)[0]
+    assert got.shape == want.shape == (1, 1, 20) and got.dtype == want.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.float32(got), np.float32(want), rtol=1e-2, atol=1e-2)
+
+
+def test_project_keeps_a_wide_activation_on_xla():
+    """An ``Activated`` wider than ``ACT_PROLOGUE_MAX_WIDTH`` is not computed in the kernel's prologue
+    (measured slower): project traces XLA's act and einsum, no kernel."""
+    width = basic.ACT_PROLOGUE_MAX_WIDTH + 32
+    x = Activated(situ, jnp.ones((1, 1, width), jnp.bfloat16), jnp.ones((1, 1, width), jnp.bfloat16))
+    with use_implementation("pallas"):
+        jaxpr = str(jax.make_jaxpr(lambda: project(x, [jnp.ones((8, width), jnp.bfloat16)]))())
+    assert "pallas_call" not in jaxpr and "dot_general" in jaxpr
 
 
 def test_bad_inputs_are_refused():
@@ -77,7 +198,17 @@ def test_bad_inputs_are_refused():
     with pytest.raises(ValueError, match="out_dtypes"):
         matvecs(x, [w, w], [jnp.float32])
     with pytest.raises(ValueError, match="norm weight"):
-        matvecs(x, [w], norm=(jnp.ones((32,)), 1e-6))
+        matvecs(x, [w], norm=(jnp.ones((48,)), 1e-6))  # neither D nor a power of two dividing D
+    with pytest.raises(ValueError, match="second input must have x's shape"):
+        matvecs(x, [w], act=(swiglu, jnp.zeros((2, 32), jnp.bfloat16)))
+    with pytest.raises(ValueError, match="gate must have x's shape"):
+        matvecs(x, [w], norm=(jnp.ones((16,)), 1e-6), gate=jnp.zeros((1, 64), jnp.bfloat16))
+    with pytest.raises(ValueError, match="gate needs a norm"):
+        matvecs(x, [w], gate=x)
+    with pytest.raises(ValueError, match="read_as must be bfloat16 or float32"):
+        matvecs(x, [w], read_as=jnp.float16)
+    with pytest.raises(ValueError, match="gate needs a norm"):
+        project(x, [w], gate=x)
     with pytest.raises(ValueError, match="at least one"):
         matvecs(x, [])
     with pytest.raises(ValueError, match="power of two"):

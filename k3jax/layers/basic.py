@@ -6,15 +6,16 @@ are and an export back is bit-identical.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Sequence, Union
+from typing import Callable, Sequence, Union
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.functional.attn_res import DepthMix
-from k3jax.functional.norms import rms_norm
+from k3jax.functional.norms import gated_rms_norm, rms_norm
 from k3jax.implementation import get_implementation
 from k3jax.typing import Array
 
@@ -61,16 +62,44 @@ class Linear(nnx.Module):
 # Rows of x up to which ``project`` takes the one-kernel matvecs: on the H200 the kernel matched XLA's
 # einsums at one row and took twice their time at eight (benchmarks/RESULTS.md, issue 4).
 MATVEC_KERNEL_ROWS = 1
+# Widest ``Activated`` input that the matvec kernel computes in its prologue (each of its programs
+# recomputes the activation over the whole row): on the H200 at mini's shapes (benchmarks/RESULTS.md,
+# issue 4) the shared expert's 768-wide SiTU in the kernel took 10.5 us a call against 15.4 for XLA's
+# act + einsum, the dense MLP's 5632-wide one 14.1-16.4 us against 11.0: wider inputs stay on XLA.
+ACT_PROLOGUE_MAX_WIDTH = 1024
 
 
-def _matvec_kernel_fits(x: Array, weights: Sequence[Array], dtypes: Sequence) -> bool:
+def _matvec_kernel_fits(rows: int, x_dtype, weights: Sequence[Array], dtypes: Sequence) -> bool:
     """The Pallas path, one row (a batch-1 decode step), off TPU, and operands the kernel reads
-    exactly as the einsums would (each weight and x in the product's dtype, or the product in float32)."""
+    exactly as the einsums would: each weight in the product's dtype (or the product in float32),
+    and x too unless every product has one dtype (the kernel then rounds x to it)."""
     if get_implementation() != "pallas" or jax.default_backend() == "tpu":
         return False
-    exact = lambda a, dt: a.dtype == dt or dt == jnp.float32
-    rows = math.prod(x.shape[:-1])
-    return 0 < rows <= MATVEC_KERNEL_ROWS and all(exact(w, dt) and exact(x, dt) for w, dt in zip(weights, dtypes))
+    exact = lambda dtype, dt: dtype == dt or dt == jnp.float32
+    uniform = len({jnp.dtype(dt) for dt in dtypes}) == 1
+    return 0 < rows <= MATVEC_KERNEL_ROWS and all(exact(w.dtype, dt) and (uniform or exact(x_dtype, dt))
+                                                  for w, dt in zip(weights, dtypes))
+
+
+@dataclasses.dataclass(frozen=True)
+class Activated:
+    """act(gate, up) [..., F], an input of ``project``: where project takes the matvec kernel, the
+    kernel computes it in its prologue (no XLA kernel before it), else ``value()`` does."""
+
+    act: Callable[[Array, Array], Array]
+    gate: Array
+    up: Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.gate.shape
+
+    @property
+    def dtype(self):
+        return _input_dtype(self, None)
+
+    def value(self) -> Array:
+        return self.act(self.gate, self.up)
 
 
 def materialize(x: "Array | DepthMix") -> Array:
@@ -91,28 +120,79 @@ def _mixed(mix: DepthMix, norm: "RMSNorm | None", kernel: bool) -> tuple[Array, 
     return out.reshape(mix.shape), None
 
 
-def project(x: "Array | DepthMix", weights: Sequence[Array], dtypes: Sequence | None = None,
-            norm: "RMSNorm | None" = None) -> list[Array]:
-    """x [..., D] (a Block AttnRes ``DepthMix`` is mixed first; RMS-normed by ``norm``, when given)
-    times each weight [N_i, D]^T, as ``einsum(x.astype(dt), w.astype(dt))`` with dt = dtypes[i]
-    (default x.dtype; float32 sums): what ``Linear`` computes, or the router's float32 logits. The
-    maps that read one input (a layer's projections) go together so that, on the Pallas path for one
-    row (batch-1 decode) off TPU, one kernel computes them all, norm included
-    (``pallas_kernels.matvec``), instead of one small kernel each; a mix before them is then computed
-    with the norm in one more small kernel (``pallas_kernels.depth_mix``)."""
-    dtypes = [x.dtype] * len(weights) if dtypes is None else list(dtypes)
-    kernel = _matvec_kernel_fits(x, weights, dtypes)
+def _input_dtype(x: "Array | DepthMix | Activated", read_as) -> jnp.dtype:
+    """The dtype of project's x once rounded to read_as and activated (a norm keeps it)."""
+    read = lambda a: jax.ShapeDtypeStruct(a.shape, read_as or a.dtype)
+    return jax.eval_shape(x.act, read(x.gate), read(x.up)).dtype if isinstance(x, Activated) else read(x).dtype
+
+
+def _normed(x: Array, norm: "RMSNorm", gate: Array | None) -> Array:
+    """norm(x) over the last axis, or over each group of the norm's width (KDA's per-head norm);
+    times sigmoid(gate) with a gate (``gated_rms_norm``)."""
+    weight = norm.weight[...]
+    width = weight.shape[0]
+    if gate is None and width == x.shape[-1]:
+        return norm(x)
+    groups = x.reshape(*x.shape[:-1], x.shape[-1] // width, width)
+    out = rms_norm(groups, weight, norm.eps) if gate is None else gated_rms_norm(
+        groups, gate.reshape(groups.shape), weight, norm.eps)
+    return out.reshape(x.shape)
+
+
+def _prologue_kwargs(x: "Array | Activated", norm: "RMSNorm | None", gate: Array | None, read_as,
+                     dtypes: Sequence) -> tuple[Array, dict]:
+    """x's rows [M, D] and the matvec kernel's prologue arguments (``pallas_kernels.matvec.matvecs``)
+    that make project's input from them."""
+    rows = lambda a: a.reshape(-1, a.shape[-1])
+    kwargs = dict(read_as=read_as, gate=None if gate is None else rows(gate))
+    if norm is not None:
+        kwargs["norm"] = (norm.weight[...], norm.eps)
+    if len({jnp.dtype(dt) for dt in dtypes}) == 1:
+        kwargs["x_dtype"] = dtypes[0]
+    if isinstance(x, Activated):
+        kwargs["act"] = (x.act, rows(x.up))
+        x = x.gate
+    return rows(x), kwargs
+
+
+def project(x: "Array | DepthMix | Activated", weights: Sequence[Array], dtypes: Sequence | None = None,
+            norm: "RMSNorm | None" = None, *, gate: Array | None = None, read_as=None) -> list[Array]:
+    """x [..., D] times each weight [N_i, D]^T, as ``einsum(x.astype(dt), w.astype(dt))`` with dt =
+    dtypes[i] (default x's dtype as prepared below; float32 sums): what ``Linear`` computes, or the
+    router's float32 logits. x is prepared first, in this order: a Block AttnRes ``DepthMix`` is
+    mixed; x (an ``Activated``'s two inputs) rounded to ``read_as``; an ``Activated`` applied;
+    RMS-normed by ``norm``, over each group of the norm's width where narrower than D (KDA's
+    per-head norm), times sigmoid(``gate``) with a gate (``gated_rms_norm``).
+
+    The maps that read one input (a layer's projections) go together so that, on the Pallas path
+    for one row (batch-1 decode) off TPU, one kernel computes them all, x's preparation included
+    (``pallas_kernels.matvec``; an ``Activated`` only up to ``ACT_PROLOGUE_MAX_WIDTH``), instead of
+    one small kernel each; a mix before them is then computed with the norm in one more small
+    kernel (``pallas_kernels.depth_mix``)."""
+    if isinstance(x, DepthMix) and (gate is not None or read_as is not None):
+        raise ValueError("project: gate and read_as apply to an array or an Activated, not a DepthMix")
+    if gate is not None and norm is None:
+        raise ValueError("project: a gate needs a norm (the gated RMS norm)")
+    x_dtype = _input_dtype(x, read_as)
+    dtypes = [x_dtype] * len(weights) if dtypes is None else list(dtypes)
+    kernel = _matvec_kernel_fits(math.prod(x.shape[:-1]), x_dtype, weights, dtypes) and not (
+        isinstance(x, Activated) and x.shape[-1] > ACT_PROLOGUE_MAX_WIDTH)
     if isinstance(x, DepthMix):
         x, norm = _mixed(x, norm, kernel)
     if kernel:
         from pallas_kernels.matvec import matvecs
 
         lead = x.shape[:-1]
-        rms = None if norm is None else (norm.weight[...], norm.eps)
-        outs = matvecs(x.reshape(-1, x.shape[-1]), list(weights), dtypes, norm=rms)
+        rows, kwargs = _prologue_kwargs(x, norm, gate, read_as, dtypes)
+        outs = matvecs(rows, list(weights), dtypes, **kwargs)
         return [y.reshape(*lead, y.shape[-1]) for y in outs]
+    if read_as is not None:
+        x = x.astype(read_as) if not isinstance(x, Activated) else Activated(
+            x.act, *(a.astype(read_as) for a in (x.gate, x.up)))
+    if isinstance(x, Activated):
+        x = x.value()
     if norm is not None:
-        x = norm(x)
+        x = _normed(x, norm, gate)
     return [jnp.einsum("...i,oi->...o", x.astype(dt), w.astype(dt), precision=_HI) for w, dt in zip(weights, dtypes)]
 
 
@@ -137,4 +217,5 @@ class Embed(nnx.Module):
         return jnp.take(self.weight[...], tokens, axis=0)
 
 
-__all__ = ["Rngs", "Keys", "Linear", "RMSNorm", "Embed", "normal", "materialize", "project", "MATVEC_KERNEL_ROWS"]
+__all__ = ["Rngs", "Keys", "Linear", "RMSNorm", "Embed", "normal", "materialize", "project", "Activated",
+           "ACT_PROLOGUE_MAX_WIDTH", "MATVEC_KERNEL_ROWS"]

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.functional.moe import Activation, situ, swiglu
-from k3jax.layers.basic import Linear, RMSNorm, Rngs, project
+from k3jax.layers.basic import Activated, Linear, RMSNorm, Rngs, project
 from k3jax.typing import Array
 
 
@@ -35,8 +35,9 @@ class DenseMLP(nnx.Module):
         return self.down(*project(x, [self.gate_proj.weight[...], self.up_proj.weight[...]], norm=norm))
 
     def down(self, gate: Array, up: Array) -> Array:
-        """The output from the gate and up projections."""
-        return self.down_proj(self.act(gate, up))
+        """The output from the gate and up projections: down_proj(act(gate, up)) through ``project``
+        (on its kernel path, act inside the matvec kernel up to ``ACT_PROLOGUE_MAX_WIDTH``)."""
+        return project(Activated(self.act, gate, up), [self.down_proj.weight[...]])[0]
 
 
 __all__ = ["DenseMLP", "activation"]
