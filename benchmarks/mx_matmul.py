@@ -26,9 +26,9 @@ instructions.
 3. Grouped: K3 routed experts (896 experts, 16 per token): gate+up 3584 -> 2 x 3072 and down
    3072 -> 3584, decode batch 1, 8, 64 and prefill 8192 tokens. Peer: ``jax.lax.ragged_dot`` on
    bf16 weights.
-4. MoE: one layer's routed experts (K3 for 1-8 tokens, `mini` for 1 and 8), the fused two-kernel
+4. MoE: one layer's routed experts (K3 for 1-8 tokens, `mini` for 1 and 8), the fused one-kernel
    MoE (``fused_moe_mx``) against the sorted dispatch through the grouped kernel, each timed inside
-   a jitted loop (``--moe-sweep``: the fused kernels' tile configurations too).
+   a jitted loop (``--moe-sweep``: the fused kernel's tile configurations too).
 
 Each kernel runs a few tile configurations (a failing one is printed and skipped); the best of the
 dot kernels and the best of the one-row gemv kernels (``MXBlocks.gemv``) are reported apart. Times
@@ -68,7 +68,7 @@ from pallas_kernels.mx_matmul import (  # noqa: E402
     mx_matmul_reference,
 )
 from pallas_kernels.mx_matmul.kernel import decode_mxfp4_pallas  # noqa: E402
-from pallas_kernels.mx_matmul.moe import FUSED_MOE_BLOCKS, FUSED_MOE_DOWN_BLOCKS  # noqa: E402
+from pallas_kernels.mx_matmul.moe import FUSED_MOE_BLOCKS, FUSED_MOE_DOWN_ROWS  # noqa: E402
 from pallas_kernels.mx_matmul.ops import _kernel_weight_layout  # noqa: E402
 
 ROWS: list[dict] = []
@@ -464,34 +464,35 @@ def bench_grouped(key, quick: bool, focus: bool) -> None:
 
 
 MOE_SHAPES = {"K3": ((896, 3072, 3584, 16), (1, 2, 4, 8)), "mini": ((64, 768, 1024, 8), (1, 8))}
-# The two fused-MoE kernels' tiles around today's default: (hidden units per program, contracted elements
-# per tile, warps) of the hidden kernel and (output rows per program, hidden units per tile, warps) of the
-# down kernel; the 2026-12-01 A/B at mini's shape (benchmarks/RESULTS.md)
-MOE_SWEEP = [(dataclasses.replace(FUSED_MOE_BLOCKS, bn=bn, bk=bk, num_warps=nw),
-              dataclasses.replace(FUSED_MOE_DOWN_BLOCKS, bn=rows, bk=dk, num_warps=dw))
-             for (bn, bk, nw), (rows, dk, dw) in [
-                 ((16, 1024, 8), (8, 256, 4)), ((32, 256, 8), (8, 256, 4)), ((8, 512, 4), (8, 256, 4)),
-                 ((16, 512, 8), (4, 256, 2)), ((16, 512, 8), (16, 256, 4)), ((16, 512, 8), (8, 256, 8))]]
+# (hidden units, contracted elements, down-projection rows per atomic add, warps, stages) per program:
+# the fifth session's sweep at mini's shape (benchmarks/RESULTS.md), around today's default
+MOE_SWEEP = [(dataclasses.replace(FUSED_MOE_BLOCKS, bn=bn, bk=bk, num_warps=nw, num_stages=st), rows)
+             for bn, bk, rows, nw, st in [
+                 (32, 256, 128, 2, 2), (32, 512, 128, 4, 2), (32, 1024, 128, 4, 2), (32, 1024, 128, 8, 2),
+                 (32, 1024, 256, 4, 2), (32, 1024, 512, 8, 2), (32, 1024, 1024, 8, 2), (32, 512, 256, 4, 1),
+                 (32, 1024, 256, 4, 1), (32, 1024, 64, 4, 2), (32, 256, 64, 2, 2), (64, 1024, 256, 8, 2),
+                 (64, 512, 128, 4, 2), (32, 1024, 256, 2, 2), (32, 512, 512, 4, 2), (32, 256, 256, 4, 3)]]
 MOE_LOOP = 20  # calls per jitted loop: small kernels are timed without host dispatch
 
 
 def bench_moe(key, quick: bool, sweep: bool, shapes: tuple[str, ...] = tuple(MOE_SHAPES)) -> None:
     """One MoE layer's routed experts at decode sizes (K3: 896 experts, 16 per token, latent 3584,
-    hidden 3072; `mini`: 64, 8, 1024, 768; SiTU): the fused two-kernel MoE against the sorted
+    hidden 3072; `mini`: 64, 8, 1024, 768; SiTU): the fused one-kernel MoE against the sorted
     dispatch through the grouped kernel (argsort, gather, three grouped calls, scatter), each
-    repeated ``MOE_LOOP`` times inside one jitted loop. ``sweep``: at one token, the fused kernels'
-    tiles too (``MOE_SWEEP``)."""
+    repeated ``MOE_LOOP`` times inside one jitted loop. ``sweep``: at one token, the fused kernel's
+    tiles too (``MOE_SWEEP``: hidden units and contracted elements per program, down-projection rows per atomic
+    add, warps)."""
     for name in shapes:
         (e, f, r, top_k), token_counts = MOE_SHAPES[name]
         print(f"== MoE layer (routed, {name}): {e} experts, top {top_k}, {r} -> {f} -> {r}", flush=True)
         k1, k3, k2, kx, kr = jax.random.split(jax.random.fold_in(key, 7), 5)
         stacks = (random_mx(k1, (e, f, r)), random_mx(k3, (e, f, r)), random_mx(k2, (e, r, f)))
-        fused = lambda blocks, down: lambda x, wt, ex, *w: fused_moe_mx(x, *w, wt, ex, situ, blocks=blocks,
-                                                                        down_blocks=down)
+        fused = lambda blocks, rows: lambda x, wt, ex, *w: fused_moe_mx(x, *w, wt, ex, situ, blocks=blocks,
+                                                                        down_rows=rows)
         matmul = lambda x, w, gs: grouped_mx_matmul(x, w, gs)
         base = {"pallas sorted dispatch": lambda x, wt, ex, *w: moe_sorted(x, *w, wt, ex, situ, matmul=matmul),
-                "pallas fused MoE (default)": fused(FUSED_MOE_BLOCKS, FUSED_MOE_DOWN_BLOCKS)}
-        swept = {f"pallas fused MoE {label(b)} | down {label(d)}": fused(b, d) for b, d in MOE_SWEEP}
+                "pallas fused MoE (default)": fused(FUSED_MOE_BLOCKS, FUSED_MOE_DOWN_ROWS)}
+        swept = {f"pallas fused MoE {label(b)} rows {rows}": fused(b, rows) for b, rows in MOE_SWEEP}
         for tokens in token_counts[:2] if quick else token_counts:
             variants = {**base, **swept} if sweep and tokens == 1 else base  # the sweep: batch-1 decode only
             x = jax.random.normal(jax.random.fold_in(kx, tokens), (tokens, r), jnp.float32).astype(jnp.bfloat16)

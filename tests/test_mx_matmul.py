@@ -161,9 +161,8 @@ def test_shape_errors(weight, experts):
 
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_fused_moe_matches_dense_reference(tokens):
-    """The two-kernel MoE for a few tokens (F = 96, R = 160: three and five scale blocks, so five
-    contracted tiles and three hidden tiles of one block each) against every expert on every token
-    combined by the routing weights, float32 on decoded weights."""
+    """One kernel for a few tokens (F = 96, R = 160: three and five scale blocks) against every
+    expert on every token combined by the routing weights, float32 on decoded weights."""
     E, F, R, k = 6, 96, 160, 2
     keys = jax.random.split(jax.random.key(20), 5)
     w1, w3 = (MXTensor.quantize(jax.random.normal(kk, (E, F, R)) * R**-0.5) for kk in keys[:2])
@@ -181,9 +180,9 @@ def test_fused_moe_matches_dense_reference(tokens):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_fused_moe_tiles_and_repeated_experts(dtype):
-    """Tiles of several scale blocks (hidden: 2 blocks of 64 units, 2 contracted tiles of 128; down: 16
-    output rows, 2 hidden tiles of 64), 4 tokens, an expert picked twice by one token and shared across
-    tokens, against the dense reference; bf16 x gives a bf16 output."""
+    """Several loop steps per program (2 blocks of 64 hidden units, 2 contracted steps of 128, 16 atomic adds
+    of 16 output rows), 4 tokens, an expert picked twice by one token and shared across tokens, against the
+    dense reference; bf16 x gives a bf16 output."""
     E, F, R, k, T = 5, 128, 256, 3, 4
     keys = jax.random.split(jax.random.key(21), 5)
     w1, w3 = (MXTensor.quantize(jax.random.normal(kk, (E, F, R)) * R**-0.5) for kk in keys[:2])
@@ -191,23 +190,21 @@ def test_fused_moe_tiles_and_repeated_experts(dtype):
     x = bf16_normal(keys[3], (T, R)).astype(dtype)
     experts = jnp.array([[2, 2, 0], [4, 1, 2], [0, 3, 1], [3, 3, 3]], jnp.int32)
     weights = jax.random.uniform(keys[4], (T, k))
-    blocks = MXBlocks(bm=1, bn=64, bk=128, num_warps=4, num_stages=1, gemv=True)
-    down_blocks = MXBlocks(bm=1, bn=16, bk=64, num_warps=4, num_stages=1, gemv=True)
-    out = fused_moe_mx(x, w1, w3, w2, weights, experts, situ, blocks=blocks, down_blocks=down_blocks)
+    blocks = MXBlocks(bm=1, bn=64, bk=128, num_warps=4, num_stages=2, gemv=True)
+    out = fused_moe_mx(x, w1, w3, w2, weights, experts, situ, blocks=blocks, down_rows=16)
     ref = moe_dense(x.astype(jnp.float32), *(w.decode(jnp.float32) for w in (w1, w3, w2)), weights, experts, situ)
     assert out.shape == (T, R) and out.dtype == dtype
     assert rel_err(out.astype(jnp.float32), ref) < (1e-5 if dtype == jnp.float32 else 1e-2)
 
 
 def test_fused_moe_lowers_for_cuda_through_triton():
-    """Pallas' Triton lowering of the fused MoE's two kernels (x's and h's even / odd columns by strided
-    loads), on the CPU."""
+    """Pallas' Triton lowering of the fused MoE (x's even / odd columns by strided loads), on the CPU."""
     E, F, R, k = 4, 64, 256, 2
     w1, w2 = MXTensor.quantize(jnp.ones((E, F, R))), MXTensor.quantize(jnp.ones((E, R, F)))
     fn = lambda x, weights, experts: fused_moe_mx(x, w1, w1, w2, weights, experts, situ, interpret=False)
     args = [jax.ShapeDtypeStruct((1, R), jnp.bfloat16), jax.ShapeDtypeStruct((1, k), jnp.float32),
             jax.ShapeDtypeStruct((1, k), jnp.int32)]
-    assert jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text().count("xla.gpu.triton") == 2
+    assert "xla.gpu.triton" in jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 # Mosaic GPU kernel (mosaic_gpu.py): interpret mode on CPU (its register decode as the jnp twin with the
