@@ -7,8 +7,9 @@ process: every variant's step is traced and compiled first, then the variants ar
 Variants (module switches read while a step is traced): the default; KDA's short convs by XLA
 (``k3jax.layers.kda._short_convs`` set to its XLA form, instead of ``pallas_kernels.short_conv``);
 the AttnRes block store as a select even where the layer index is known (``k3jax.model._store_block``
-given a traced commit); both. Also prints each variant's first logits against the default's (with
-random bf16 weights the model amplifies float32 summation order).
+given a traced commit); MLA's new latents written by XLA (``MLA._write`` set to ``MLA._write_xla``,
+instead of ``pallas_kernels.latent_cache``); all three off. Also prints each variant's first logits
+against the default's (with random bf16 weights the model amplifies float32 summation order).
 """
 
 from __future__ import annotations
@@ -24,18 +25,20 @@ from flax import nnx
 import k3jax.layers.kda as kda
 import k3jax.model as model_module
 from k3jax import Generator, K3Model, preset, use_implementation
+from k3jax.layers.mla import MLA
 
-ORIGINAL = {"convs": kda._short_convs, "store": model_module._store_block}
+ORIGINAL = {"convs": kda._short_convs, "store": model_module._store_block, "write": MLA._write}
 XLA_CONVS = {"convs": kda._short_convs_xla}
 SELECT_STORE = {"store": lambda blocks, n, partial, commit: ORIGINAL["store"](blocks, n, partial, jnp.asarray(commit))}
+XLA_LATENTS = {"write": MLA._write_xla}
 VARIANTS = {"default": {}, "short convs by XLA": XLA_CONVS, "block store by select": SELECT_STORE,
-            "both": {**XLA_CONVS, **SELECT_STORE}}
+            "latents by XLA": XLA_LATENTS, "all three off": {**XLA_CONVS, **SELECT_STORE, **XLA_LATENTS}}
 
 
 def use(variant: dict) -> None:
     """Set the module switches the next trace reads."""
     settings = {**ORIGINAL, **variant}
-    kda._short_convs, model_module._store_block = settings["convs"], settings["store"]
+    kda._short_convs, model_module._store_block, MLA._write = settings["convs"], settings["store"], settings["write"]
 
 
 def main() -> None:

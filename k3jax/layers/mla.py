@@ -11,6 +11,7 @@ from flax import nnx
 
 from k3jax.config import MLAConfig
 from k3jax.functional.mla import absorbed_attention, causal_attention, mla_keys_values
+from k3jax.implementation import get_implementation
 from k3jax.layers.basic import Linear, RMSNorm, Rngs, project
 from k3jax.typing import Array
 
@@ -75,6 +76,24 @@ class MLA(nnx.Module):
             o = o * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(dtype)
         return self.o_proj(o)
 
+    def _write(self, c: Array, cache: MLACache, pos: Array) -> MLACache:
+        """``_write_xla``, or for a decode step (T = 1) on the Pallas path off TPU one kernel
+        (``pallas_kernels.latent_cache``)."""
+        if c.shape[1] == 1 and get_implementation() == "pallas" and jax.default_backend() != "tpu":
+            from pallas_kernels.latent_cache import write_latents
+
+            norm = self.kv_a_layernorm
+            return MLACache(*write_latents(c[:, 0], norm.weight[...], norm.eps, cache.c_kv, cache.k_pe, pos[:, 0]))
+        return self._write_xla(c, cache, pos)
+
+    def _write_xla(self, c: Array, cache: MLACache, pos: Array) -> MLACache:
+        """The cache with the new tokens' latents (kv_a_proj_with_mqa's output c [B, T, R + P]) at
+        positions pos [B, T]; positions past its end are dropped."""
+        c_kv, k_pe = self.latent(c)
+        rows = jnp.arange(c.shape[0])[:, None]
+        return MLACache(cache.c_kv.at[rows, pos].set(c_kv.astype(cache.c_kv.dtype), mode="drop"),
+                        cache.k_pe.at[rows, pos].set(k_pe.astype(cache.k_pe.dtype), mode="drop"))
+
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32) -> MLACache:
         cfg = self.cfg
         return MLACache(jnp.zeros((batch, max_len, cfg.kv_lora_rank), dtype),
@@ -91,13 +110,9 @@ class MLA(nnx.Module):
         position must be below it (the caller's guarantee); None reads the whole cache.
         """
         cfg = self.cfg
-        B, T, _ = x.shape
         q_in, c, gate = self.inputs(x, norm)
-        c_kv, k_pe = self.latent(c)
-        pos = start[:, None] + jnp.arange(T)  # [B, T]
-        rows = jnp.arange(B)[:, None]
-        cache = MLACache(cache.c_kv.at[rows, pos].set(c_kv.astype(cache.c_kv.dtype), mode="drop"),
-                         cache.k_pe.at[rows, pos].set(k_pe.astype(cache.k_pe.dtype), mode="drop"))
+        pos = start[:, None] + jnp.arange(x.shape[1])  # [B, T]
+        cache = self._write(c, cache, pos)
         keys = MLACache(cache.c_kv[:, :window], cache.k_pe[:, :window])  # [:None] is everything
         visible = jnp.arange(keys.c_kv.shape[1])[None, None, :] <= pos[:, :, None]  # [B, T, S]
         q = self.queries(q_in)
