@@ -101,7 +101,8 @@ def _prologue_case(name, key):
         weight = (1.0 + 0.1 * normal(1, (width,), f32)).astype(gate_dtype)
         groups = x.reshape(m, heads, width)
         if name == "group_norm_bk_raised":
-            return x, dict(norm=(weight, 1e-5)), MatvecBlocks(bn=8, bk=16), rms_norm(groups, weight, 1e-5).reshape(x.shape)
+            want = rms_norm(groups, weight, 1e-5).reshape(x.shape)
+            return x, dict(norm=(weight, 1e-5)), MatvecBlocks(bn=8, bk=16), want
         gate = normal(2, x.shape, gate_dtype, 3.0)
         want = gated_rms_norm(groups, gate.reshape(groups.shape), weight, 1e-5).reshape(x.shape)
         kwargs = dict(norm=(weight, 1e-5), gate=gate)
