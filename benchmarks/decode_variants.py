@@ -1,15 +1,19 @@
-"""Batch-1 decode step of a preset on the Pallas path with and without the latest step changes, in one
-process: every variant's step is traced and compiled first, then the variants are timed round-robin
-(three rounds of 20 steps, best round), so lease-to-lease drift does not enter the comparison.
+"""Batch-1 decode step of a preset on the Pallas path with and without each of the latest step changes,
+in one process: every variant's step is traced and compiled first, then the variants are timed
+round-robin (three rounds of 20 steps, best round), so lease-to-lease drift does not enter the comparison.
 
     python3 benchmarks/decode_variants.py [preset]      (default mini; tiny runs on a CPU)
 
-Variants (module switches read while a step is traced): the default; KDA's short convs by XLA
-(``k3jax.layers.kda._short_convs`` set to its XLA form, instead of ``pallas_kernels.short_conv``);
-the AttnRes block store as a select even where the layer index is known (``k3jax.model._store_block``
-given a traced commit); MLA's new latents written by XLA (``MLA._write`` set to ``MLA._write_xla``,
-instead of ``pallas_kernels.latent_cache``); all three off. Also prints each variant's first logits
-against the default's (with random bf16 weights the model amplifies float32 summation order).
+Each switch turns one change off (module attributes read while a step is traced):
+- short convs by XLA: ``k3jax.layers.kda._short_convs`` set to its XLA form (not ``pallas_kernels.short_conv``);
+- block store by select: ``k3jax.model._store_block`` given a traced commit even where the layer index is known;
+- latents by XLA: ``MLA._write`` set to ``MLA._write_xla`` (not ``pallas_kernels.latent_cache``);
+- activation by XLA: ``k3jax.layers.basic.ACT_PROLOGUE_MAX_WIDTH`` 0 (the shared experts' act(gate, up) is
+  an XLA op before their down projection, not the matvec kernel's prologue);
+- gated norm + o_proj by XLA: KDA's gated output norm and o_proj as XLA ops (``Linear``'s einsum), not
+  the matvec kernel with the gated norm in its prologue.
+Variants: the default, each switch alone, all of them. Also prints each variant's first logits against the
+default's (with random bf16 weights the model amplifies float32 summation order).
 """
 
 from __future__ import annotations
@@ -25,20 +29,37 @@ from flax import nnx
 import k3jax.layers.kda as kda
 import k3jax.model as model_module
 from k3jax import Generator, K3Model, preset, use_implementation
+from k3jax.layers import basic
 from k3jax.layers.mla import MLA
 
-ORIGINAL = {"convs": kda._short_convs, "store": model_module._store_block, "write": MLA._write}
-XLA_CONVS = {"convs": kda._short_convs_xla}
-SELECT_STORE = {"store": lambda blocks, n, partial, commit: ORIGINAL["store"](blocks, n, partial, jnp.asarray(commit))}
-XLA_LATENTS = {"write": MLA._write_xla}
-VARIANTS = {"default": {}, "short convs by XLA": XLA_CONVS, "block store by select": SELECT_STORE,
-            "latents by XLA": XLA_LATENTS, "all three off": {**XLA_CONVS, **SELECT_STORE, **XLA_LATENTS}}
+
+def _gated_norm_then_einsum(x, weights, dtypes=None, norm=None, *, gate=None, read_as=None):
+    """``project`` for KDA's o_proj as the layer ran it before the matvec prologue: XLA's gated norm,
+    then XLA's einsum; any other call goes to ``project``."""
+    if gate is None:
+        return basic.project(x, weights, dtypes, norm, gate=gate, read_as=read_as)
+    x = basic._normed(x, norm, gate)
+    return [jnp.einsum("...i,oi->...o", x.astype(dt), w.astype(dt), precision=jax.lax.Precision.HIGHEST)
+            for w, dt in zip(weights, dtypes)]
 
 
-def use(variant: dict) -> None:
-    """Set the module switches the next trace reads."""
-    settings = {**ORIGINAL, **variant}
-    kda._short_convs, model_module._store_block, MLA._write = settings["convs"], settings["store"], settings["write"]
+_store = model_module._store_block
+SWITCHES = {  # name -> (owner, attribute, value with the change off)
+    "short convs by XLA": (kda, "_short_convs", kda._short_convs_xla),
+    "block store by select": (model_module, "_store_block",
+                              lambda blocks, n, partial, commit: _store(blocks, n, partial, jnp.asarray(commit))),
+    "latents by XLA": (MLA, "_write", MLA._write_xla),
+    "activation by XLA": (basic, "ACT_PROLOGUE_MAX_WIDTH", 0),
+    "gated norm + o_proj by XLA": (kda, "project", _gated_norm_then_einsum),
+}
+ORIGINAL = {name: getattr(owner, attribute) for name, (owner, attribute, _) in SWITCHES.items()}
+VARIANTS = {"default": (), **{name: (name,) for name in SWITCHES}, "all off": tuple(SWITCHES)}
+
+
+def use(off: tuple[str, ...]) -> None:
+    """Turn the named changes off and the others on, for the next trace."""
+    for name, (owner, attribute, value) in SWITCHES.items():
+        setattr(owner, attribute, value if name in off else ORIGINAL[name])
 
 
 def main() -> None:
@@ -49,13 +70,14 @@ def main() -> None:
     pos, key = jnp.full((1,), prompt, jnp.int32), jax.random.key(0)
     runs = {}
     with use_implementation("pallas"):
-        for name, variant in VARIANTS.items():
-            use(variant)
-            gen = Generator(model, max_len=prompt + 64, prefill_chunk=prompt)  # a fresh jit: traced under `variant`
+        for name, off in VARIANTS.items():
+            use(off)
+            gen = Generator(model, max_len=prompt + 64, prefill_chunk=prompt)  # a fresh jit: traced under `off`
             _, cache = gen.prefill(prompts, gen.init_cache(1))
             token, logits, cache = gen.decode_step(jnp.zeros((1,), jnp.int32), cache, pos, key)
             runs[name] = [gen, jax.block_until_ready(token), cache, logits]
-        use({})
+            print(f"compiled: {name}", flush=True)
+        use(())
         first = runs["default"][3]
         for name, (_, _, _, logits) in runs.items():
             err = float(jnp.linalg.norm(logits - first) / jnp.linalg.norm(first))

@@ -195,6 +195,9 @@ def test_fused_moe_tiles_and_repeated_experts(dtype):
     ref = moe_dense(x.astype(jnp.float32), *(w.decode(jnp.float32) for w in (w1, w3, w2)), weights, experts, situ)
     assert out.shape == (T, R) and out.dtype == dtype
     assert rel_err(out.astype(jnp.float32), ref) < (1e-5 if dtype == jnp.float32 else 1e-2)
+    sums = fused_moe_mx(x, w1, w3, w2, weights, experts, situ, blocks=blocks, down_rows=16, out_dtype=jnp.float32)
+    assert sums.dtype == jnp.float32 and rel_err(sums, ref) < (1e-5 if dtype == jnp.float32 else 1e-2)
+    np.testing.assert_array_equal(np.float32(sums.astype(dtype)), np.float32(out))  # the same sums, unrounded
 
 
 def test_fused_moe_lowers_for_cuda_through_triton():

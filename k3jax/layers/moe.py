@@ -138,7 +138,9 @@ class MoE(nnx.Module):
         elif self.dispatch == "sorted" and _fused_decode(w1, experts):
             from pallas_kernels.mx_matmul import fused_moe_mx
 
-            y = fused_moe_mx(z, w1, w3, w2, weights, experts, self.act)
+            # with a latent, the up projection's kernel rounds the float32 sums itself (``read_as``)
+            y = fused_moe_mx(z, w1, w3, w2, weights, experts, self.act,
+                             out_dtype=jnp.float32 if self.cfg.latent_size else None)
         elif self.dispatch == "sorted":
             y = moe_sorted(z, w1, w3, w2, weights, experts, self.act, matmul=_expert_matmul)
         else:
@@ -146,7 +148,7 @@ class MoE(nnx.Module):
             y = moe_dense(z, w1, w3, w2, weights, experts, self.act)
         if self.cfg.latent_size:
             norm = self.routed_expert_norm if self.cfg.latent_norm else None
-            y = project(y, [self.routed_expert_up_proj.weight[...]], norm=norm)[0]
+            y = project(y, [self.routed_expert_up_proj.weight[...]], norm=norm, read_as=z.dtype)[0]
         if self.cfg.num_shared_experts:
             y = y + self.shared_experts.down(*shared)
         return y.reshape(B, T, D)

@@ -98,8 +98,8 @@ def _stack_views(w: MXTensor, rows_in_pairs: bool) -> tuple[Array, Array]:
             w.scales.reshape(*lead, w.scales.shape[-1], 1))
 
 
-@functools.partial(jax.jit, static_argnames=("act", "blocks", "bf", "br", "interpret"))
-def _fused_moe_mx(x, w1, w3, w2, weights, experts, *, act, blocks, bf, br, interpret):
+@functools.partial(jax.jit, static_argnames=("act", "blocks", "bf", "br", "out_dtype", "interpret"))
+def _fused_moe_mx(x, w1, w3, w2, weights, experts, *, act, blocks, bf, br, out_dtype, interpret):
     T, R = x.shape
     k = experts.shape[1]
     F = w1.shape[1]
@@ -116,7 +116,7 @@ def _fused_moe_mx(x, w1, w3, w2, weights, experts, *, act, blocks, bf, br, inter
         name="fused_moe_mx",
     )(experts.reshape(-1).astype(jnp.int32), weights.reshape(-1).astype(jnp.float32), xb,
       *_stack_views(w1, True), *_stack_views(w3, True), *_stack_views(w2, False), jnp.zeros((T, R), jnp.float32))
-    return y.astype(x.dtype)
+    return y.astype(out_dtype)
 
 
 # Tiles from the one-token sweep at `mini`'s shape (H200, benchmarks/RESULTS.md, fifth session): 32 hidden
@@ -138,12 +138,12 @@ def fused_moe_pays(pairs: int, experts_per_token: int, hidden: int, blocks: MXBl
 
 
 def fused_moe_mx(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, weights: Array, experts: Array, act, *,
-                 blocks: MXBlocks = FUSED_MOE_BLOCKS, down_rows: int = FUSED_MOE_DOWN_ROWS,
+                 blocks: MXBlocks = FUSED_MOE_BLOCKS, down_rows: int = FUSED_MOE_DOWN_ROWS, out_dtype=None,
                  interpret: bool | None = None) -> Array:
     """Routed experts for a few tokens in one kernel: x [T, R] (bf16/f32), MXFP4 stacks w1, w3
     [E, F, R] and w2 [E, R, F], weights float32 [T, k], experts int32 [T, k], act(gate, up) ->
-    hidden. Returns sum over the k pairs of weight * expert(x), [T, R] in x's dtype (float32
-    accumulation). ``blocks.bn`` (hidden units per program, a multiple of 32 dividing F),
+    hidden. Returns sum over the k pairs of weight * expert(x), [T, R] in ``out_dtype`` (default x's
+    dtype; float32 accumulation, so float32 is the sums unrounded). ``blocks.bn`` (hidden units per program, a multiple of 32 dividing F),
     ``blocks.bk`` (a power of two dividing R) and ``down_rows`` (output rows per atomic add of the
     down projection) are shrunk to fit."""
     for name, w, shape in (("w1", w1, None), ("w3", w3, w1.shape), ("w2", w2, None)):
@@ -163,7 +163,8 @@ def fused_moe_mx(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, weights: Ar
     br = BLOCK * _largest_pow2_divisor(R // BLOCK, max(down_rows // BLOCK, 1))
     interpret = pallas_interpret() if interpret is None else interpret
     return _fused_moe_mx(x, w1, w3, w2, weights, experts, act=act, blocks=dataclasses.replace(blocks, bk=bk),
-                         bf=bf, br=br, interpret=interpret)
+                         bf=bf, br=br, out_dtype=jnp.dtype(x.dtype if out_dtype is None else out_dtype),
+                         interpret=interpret)
 
 
 __all__ = ["FUSED_MOE_BLOCKS", "FUSED_MOE_DOWN_ROWS", "FUSED_MOE_MAX_ADDERS", "FUSED_MOE_MAX_PAIRS", "fused_moe_mx",
