@@ -2,7 +2,8 @@
 in one process: every variant's step is traced and compiled first, then the variants are timed
 round-robin (three rounds of 20 steps, best round), so lease-to-lease drift does not enter the comparison.
 
-    python3 benchmarks/decode_variants.py [preset]      (default mini; tiny runs on a CPU)
+    python3 benchmarks/decode_variants.py [preset [variant ...]]   (default mini and every variant; tiny runs
+                                                                    on a CPU)
 
 Each switch turns one change off (module attributes read while a step is traced):
 - short convs by XLA: ``k3jax.layers.kda._short_convs`` set to its XLA form (not ``pallas_kernels.short_conv``);
@@ -12,12 +13,14 @@ Each switch turns one change off (module attributes read while a step is traced)
   an XLA op before their down projection, not the matvec kernel's prologue);
 - gated norm + o_proj by XLA: KDA's gated output norm and o_proj as XLA ops (``Linear``'s einsum), not
   the matvec kernel with the gated norm in its prologue.
-Variants: the default, each switch alone, all of them. Also prints each variant's first logits against the
+Also two tiles for that kernel (``pallas_kernels.matvec.GATED_NORM_BLOCKS`` at bn 4 and 8). Variants: the
+default, each switch alone, all the changes off. Also prints each variant's first logits against the
 default's (with random bf16 weights the model amplifies float32 summation order).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 
@@ -28,6 +31,7 @@ from flax import nnx
 
 import k3jax.layers.kda as kda
 import k3jax.model as model_module
+import pallas_kernels.matvec as matvec
 from k3jax import Generator, K3Model, preset, use_implementation
 from k3jax.layers import basic
 from k3jax.layers.mla import MLA
@@ -44,7 +48,7 @@ def _gated_norm_then_einsum(x, weights, dtypes=None, norm=None, *, gate=None, re
 
 
 _store = model_module._store_block
-SWITCHES = {  # name -> (owner, attribute, value with the change off)
+OFF = {  # a change's name -> (owner, attribute, value with the change off)
     "short convs by XLA": (kda, "_short_convs", kda._short_convs_xla),
     "block store by select": (model_module, "_store_block",
                               lambda blocks, n, partial, commit: _store(blocks, n, partial, jnp.asarray(commit))),
@@ -52,14 +56,17 @@ SWITCHES = {  # name -> (owner, attribute, value with the change off)
     "activation by XLA": (basic, "ACT_PROLOGUE_MAX_WIDTH", 0),
     "gated norm + o_proj by XLA": (kda, "project", _gated_norm_then_einsum),
 }
+TILES = {f"gated norm at bn {bn}": (matvec, "GATED_NORM_BLOCKS", dataclasses.replace(matvec.GATED_NORM_BLOCKS, bn=bn))
+         for bn in (4, 8)}
+SWITCHES = {**OFF, **TILES}
 ORIGINAL = {name: getattr(owner, attribute) for name, (owner, attribute, _) in SWITCHES.items()}
-VARIANTS = {"default": (), **{name: (name,) for name in SWITCHES}, "all off": tuple(SWITCHES)}
+VARIANTS = {"default": (), **{name: (name,) for name in SWITCHES}, "all off": tuple(OFF)}
 
 
-def use(off: tuple[str, ...]) -> None:
-    """Turn the named changes off and the others on, for the next trace."""
+def use(chosen: tuple[str, ...]) -> None:
+    """Apply the named switches (the others at their defaults) for the next trace."""
     for name, (owner, attribute, value) in SWITCHES.items():
-        setattr(owner, attribute, value if name in off else ORIGINAL[name])
+        setattr(owner, attribute, value if name in chosen else ORIGINAL[name])
 
 
 def main() -> None:
@@ -68,11 +75,15 @@ def main() -> None:
     prompt = 128 if cfg.hidden_size >= 1024 else 8
     prompts = np.random.default_rng(1).integers(0, cfg.vocab_size, (1, prompt)).tolist()
     pos, key = jnp.full((1,), prompt, jnp.int32), jax.random.key(0)
+    names = sys.argv[2:] or list(VARIANTS)
+    unknown = sorted(set(names) - set(VARIANTS))
+    if unknown or "default" not in names:
+        raise SystemExit(f"variants must include 'default' and come from {sorted(VARIANTS)}; unknown: {unknown}")
     runs = {}
     with use_implementation("pallas"):
-        for name, off in VARIANTS.items():
-            use(off)
-            gen = Generator(model, max_len=prompt + 64, prefill_chunk=prompt)  # a fresh jit: traced under `off`
+        for name, chosen in ((name, VARIANTS[name]) for name in names):
+            use(chosen)
+            gen = Generator(model, max_len=prompt + 64, prefill_chunk=prompt)  # a fresh jit: traced under `chosen`
             _, cache = gen.prefill(prompts, gen.init_cache(1))
             token, logits, cache = gen.decode_step(jnp.zeros((1,), jnp.int32), cache, pos, key)
             runs[name] = [gen, jax.block_until_ready(token), cache, logits]
@@ -82,7 +93,7 @@ def main() -> None:
         for name, (_, _, _, logits) in runs.items():
             err = float(jnp.linalg.norm(logits - first) / jnp.linalg.norm(first))
             print(f"{name}: first logits rel err vs default {err:.2e}")
-        times = {name: [] for name in VARIANTS}
+        times = {name: [] for name in names}
         for _ in range(3):
             for name, run in runs.items():
                 gen, token, cache, _ = run
