@@ -10,17 +10,13 @@ Each switch turns one change off (module attributes read while a step is traced)
 - block store by select: ``k3jax.model._store_block`` given a traced commit even where the layer index is known;
 - latents by XLA: ``MLA._write`` set to ``MLA._write_xla`` (not ``pallas_kernels.latent_cache``);
 - activation by XLA: ``k3jax.layers.basic.ACT_PROLOGUE_MAX_WIDTH`` 0 (the shared experts' act(gate, up) is
-  an XLA op before their down projection, not the matvec kernel's prologue);
-- gated norm + o_proj by XLA: KDA's gated output norm and o_proj as XLA ops (``Linear``'s einsum), not
-  the matvec kernel with the gated norm in its prologue.
-Also two tiles for that kernel (``pallas_kernels.matvec.GATED_NORM_BLOCKS`` at bn 4 and 8). Variants: the
-default, each switch alone, all the changes off. Also prints each variant's first logits against the
-default's (with random bf16 weights the model amplifies float32 summation order).
+  an XLA op before their down projection, not the matvec kernel's prologue).
+Variants: the default, each switch alone, all the changes off. Also prints each variant's first logits
+against the default's (with random bf16 weights the model amplifies float32 summation order).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import time
 
@@ -31,21 +27,9 @@ from flax import nnx
 
 import k3jax.layers.kda as kda
 import k3jax.model as model_module
-import pallas_kernels.matvec as matvec
 from k3jax import Generator, K3Model, preset, use_implementation
 from k3jax.layers import basic
 from k3jax.layers.mla import MLA
-
-
-def _gated_norm_then_einsum(x, weights, dtypes=None, norm=None, *, gate=None, read_as=None):
-    """``project`` for KDA's o_proj as the layer ran it before the matvec prologue: XLA's gated norm,
-    then XLA's einsum; any other call goes to ``project``."""
-    if gate is None:
-        return basic.project(x, weights, dtypes, norm, gate=gate, read_as=read_as)
-    x = basic._normed(x, norm, gate)
-    return [jnp.einsum("...i,oi->...o", x.astype(dt), w.astype(dt), precision=jax.lax.Precision.HIGHEST)
-            for w, dt in zip(weights, dtypes)]
-
 
 _store = model_module._store_block
 OFF = {  # a change's name -> (owner, attribute, value with the change off)
@@ -54,19 +38,15 @@ OFF = {  # a change's name -> (owner, attribute, value with the change off)
                               lambda blocks, n, partial, commit: _store(blocks, n, partial, jnp.asarray(commit))),
     "latents by XLA": (MLA, "_write", MLA._write_xla),
     "activation by XLA": (basic, "ACT_PROLOGUE_MAX_WIDTH", 0),
-    "gated norm + o_proj by XLA": (kda, "project", _gated_norm_then_einsum),
 }
-TILES = {f"gated norm at bn {bn}": (matvec, "GATED_NORM_BLOCKS", dataclasses.replace(matvec.GATED_NORM_BLOCKS, bn=bn))
-         for bn in (4, 8)}
-SWITCHES = {**OFF, **TILES}
-ORIGINAL = {name: getattr(owner, attribute) for name, (owner, attribute, _) in SWITCHES.items()}
-VARIANTS = {"default": (), **{name: (name,) for name in SWITCHES}, "all off": tuple(OFF)}
+ORIGINAL = {name: getattr(owner, attribute) for name, (owner, attribute, _) in OFF.items()}
+VARIANTS = {"default": (), **{name: (name,) for name in OFF}, "all off": tuple(OFF)}
 
 
-def use(chosen: tuple[str, ...]) -> None:
-    """Apply the named switches (the others at their defaults) for the next trace."""
-    for name, (owner, attribute, value) in SWITCHES.items():
-        setattr(owner, attribute, value if name in chosen else ORIGINAL[name])
+def use(off: tuple[str, ...]) -> None:
+    """Turn the named changes off and the others on, for the next trace."""
+    for name, (owner, attribute, value) in OFF.items():
+        setattr(owner, attribute, value if name in off else ORIGINAL[name])
 
 
 def main() -> None:
@@ -81,9 +61,9 @@ def main() -> None:
         raise SystemExit(f"variants must include 'default' and come from {sorted(VARIANTS)}; unknown: {unknown}")
     runs = {}
     with use_implementation("pallas"):
-        for name, chosen in ((name, VARIANTS[name]) for name in names):
-            use(chosen)
-            gen = Generator(model, max_len=prompt + 64, prefill_chunk=prompt)  # a fresh jit: traced under `chosen`
+        for name in names:
+            use(VARIANTS[name])
+            gen = Generator(model, max_len=prompt + 64, prefill_chunk=prompt)  # a fresh jit: traced under its switches
             _, cache = gen.prefill(prompts, gen.init_cache(1))
             token, logits, cache = gen.decode_step(jnp.zeros((1,), jnp.int32), cache, pos, key)
             runs[name] = [gen, jax.block_until_ready(token), cache, logits]

@@ -93,8 +93,8 @@ class DecoderLayer(nnx.Module):
 
     def attn_res(self, carry: tuple[Array, Array, Array], commit: "bool | Array", cache=None, ctx=None):
         """K3's Block AttnRes step. carry = (blocks [N, B, T, D], n_blocks, x); ``commit`` (a Python
-        bool for unrolled layers, a traced one in a scan) says this layer starts a block. Returns the new carry, the two mixes'
-        weights [2, N+1, B, T] and the layer's cache."""
+        bool for unrolled layers, a traced one in a scan) says this layer starts a block. Returns the
+        new carry, the two mixes' weights [2, N+1, B, T] and the layer's cache."""
         blocks, n, partial = carry
         h = self.self_attention_res.deferred(blocks, n, partial)  # computed by its reader (``project``)
         with jax.named_scope("attn_res"):

@@ -20,10 +20,11 @@ products are exact in float32), else float32 operands at precision HIGHEST; floa
 Input prologue (``Prologue``): the kernel can make its x from what the XLA ops before it would
 have read, so that no small XLA kernel (and its launch) sits between the producer and the matvec:
 a float32 x rounded to bf16 (the routed experts' sums before the latent norm), a gated activation
-of two inputs (a shared expert's act(gate, up)), an RMS norm over the row or per group of columns,
-gated by sigmoid(gate) (KDA's output norm), and a last rounding (to the products' dtype). Every
-program recomputes it from x (small: M x D, from L2): a norm's statistics come from one pass over
-x before the product loop, or, for groups that fit a tile, from the tile itself.
+of two inputs (a shared expert's act(gate, up)), an RMS norm over the row, and a last rounding (to
+the products' dtype). Every program recomputes it from x (small: M x D, from L2): a norm's statistics
+come from the tile where it holds the whole row, else from one pass over x before the product loop.
+(KDA's gated per-head output norm was a prologue too, for o_proj; on the H200 that step measured
+2-3% slower than XLA's norm and einsum, so it went: benchmarks/RESULTS.md, issue 4, seventh session.)
 
 Ragged shapes: a weight of fewer rows than bn gets a block of next_power_of_2(N_i) rows (Triton
 blocks are powers of two); a last block that runs past N_i loads with a row mask (zeros) and stores
@@ -83,10 +84,6 @@ class MatvecBlocks:
 
 
 DEFAULT_BLOCKS = MatvecBlocks(bn=4, bk=2048, num_warps=4, num_stages=3)
-# With a gated norm every program recomputes it over the whole row (float32 x, the gate's sigmoids):
-# 16 rows a program share it. KDA's o_proj at mini's shape on the H200 (benchmarks/RESULTS.md, issue 4):
-# 10.4 us a call at bn 16 against 17.5 at bn 4 (XLA's norm + einsum: 23.4, same process).
-GATED_NORM_BLOCKS = MatvecBlocks(bn=16, bk=2048, num_warps=4, num_stages=3)
 
 
 class _Part(NamedTuple):
@@ -136,40 +133,26 @@ class Prologue:
 
     1. x (and act's second input) rounded to ``read_as``;
     2. x = act(x, second input) (``act``: a jnp function of two [rows, bk] tiles);
-    3. RMS norm over each group of ``group`` columns (``group`` = D: the whole row) with eps and a
-       weight [group], in float32, rounded to x's dtype (``k3jax.functional.norms.rms_norm``);
-    4. with ``gated``: times sigmoid(gate) rounded to x's dtype, in x's dtype (``gated_rms_norm``);
-    5. rounded to ``dtype``.
+    3. with ``eps``: RMS norm over the row with a weight [D], in float32, rounded to x's dtype
+       (``k3jax.functional.norms.rms_norm``);
+    4. rounded to ``dtype``.
 
-    A group norm's statistics come from the tile that holds its group (bk is raised to a multiple of
-    the group); a whole-row norm wider than bk takes one pass over x before the product loop."""
+    The norm's statistics come from the tile where bk covers the row, else from one pass over x
+    before the product loop."""
 
     read_as: jnp.dtype | None = None
     act: Callable | None = None
-    group: int | None = None
     eps: float | None = None
-    gated: bool = False
     dtype: jnp.dtype | None = None
 
 
 class _XRefs(NamedTuple):
     """x [M, D] and what the prologue reads beside it: act's second input [M, D], the norm weight
-    [1, group], the gate [M, D] (None where unused)."""
+    [1, D] (None where unused)."""
 
     x: object
     second: object
     norm: object
-    gate: object
-
-
-def _group_sums(a: Array, group: int) -> Array:
-    """Each column's sum over its group of ``group`` columns of a [rows, width] (group dividing
-    width), broadcastable to a's shape."""
-    rows, width = a.shape
-    if group == width:
-        return jnp.sum(a, axis=1, keepdims=True)
-    sums = jnp.sum(a.reshape(rows, width // group, group), axis=2, keepdims=True)
-    return jnp.broadcast_to(sums, (rows, width // group, group)).reshape(rows, width)
 
 
 def _x_tiles(refs: _XRefs, prologue: Prologue, rows: int, bk: int, firsts) -> "callable":
@@ -191,10 +174,10 @@ def _x_tiles(refs: _XRefs, prologue: Prologue, rows: int, bk: int, firsts) -> "c
         return x if p.act is None else p.act(x, read(refs.second, row0, col0))
 
     finish = (lambda x: x) if p.dtype is None else (lambda x: x.astype(p.dtype))
-    if p.group is None:
+    if p.eps is None:
         return lambda row0, col0: finish(source(row0, col0))
 
-    if p.group == depth > bk:
+    if depth > bk:
         def inverse_rms(row0):
             def squares(s, total):
                 x = source(row0, pl.multiple_of(s * bk, bk)).astype(f32)
@@ -205,25 +188,14 @@ def _x_tiles(refs: _XRefs, prologue: Prologue, rows: int, bk: int, firsts) -> "c
 
         inverse = {row0: inverse_rms(row0) for row0 in firsts}
         inverse_at = lambda row0, x: inverse[row0]
-    else:  # the tile holds whole groups (or the whole row)
-        tile_group = p.group if p.group < depth else bk
-        inverse_at = lambda row0, x: jax.lax.rsqrt(_group_sums(x * x, tile_group) / p.group + p.eps)
-
-    if p.group == depth:
-        weight_at = lambda col0: _load(refs.norm.at[:, pl.ds(col0, bk)],
-                                       _tile_mask(None, _valid(col0, bk, depth), (1, bk)))
-    else:
-        weight = refs.norm[...].reshape(1, 1, p.group)
-        weight_at = lambda col0: jnp.broadcast_to(weight, (1, bk // p.group, p.group)).reshape(1, bk)
+    else:  # the tile holds the whole row (zeros past its end)
+        inverse_at = lambda row0, x: jax.lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) / depth + p.eps)
 
     def x_at(row0, col0):
         x = source(row0, col0)
         x32 = x.astype(f32)
-        y = (x32 * inverse_at(row0, x32) * weight_at(col0).astype(f32)).astype(x.dtype)
-        if p.gated:
-            sigmoid = jax.nn.sigmoid(load(refs.gate, row0, col0).astype(f32)).astype(x.dtype)
-            y = (y.astype(f32) * sigmoid.astype(f32)).astype(x.dtype)
-        return finish(y)
+        weight = _load(refs.norm.at[:, pl.ds(col0, bk)], _tile_mask(None, _valid(col0, bk, depth), (1, bk)))
+        return finish((x32 * inverse_at(row0, x32) * weight.astype(f32)).astype(x.dtype))
 
     return x_at
 
@@ -263,9 +235,9 @@ def _block_product(x_refs: _XRefs, w_ref, o_ref, row0, *, bn: int, bk: int, dot:
 
 
 def _matvecs_kernel(*refs, parts: tuple[_Part, ...], bk: int, dot: bool, prologue: Prologue):
-    """Refs: x [M, D]; act's second input [M, D] (with act), the norm weight [1, group] (with a
-    norm), the gate [M, D] (gated); the weights [N_i, D]; then the outputs [M, N_i] (whole arrays)."""
-    uses = (True, prologue.act is not None, prologue.group is not None, prologue.gated)
+    """Refs: x [M, D]; act's second input [M, D] (with act), the norm weight [1, D] (with a norm);
+    the weights [N_i, D]; then the outputs [M, N_i] (whole arrays)."""
+    uses = (True, prologue.act is not None, prologue.eps is not None)
     refs = list(refs)
     x_refs = _XRefs(*(refs.pop(0) if used else None for used in uses))
     w_refs, o_refs = refs[:len(parts)], refs[len(parts):]
@@ -278,17 +250,15 @@ def _matvecs_kernel(*refs, parts: tuple[_Part, ...], bk: int, dot: bool, prologu
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtypes", "prologue", "blocks", "interpret"))
-def _matvecs(x, second, norm_weight, gate, weights, *, out_dtypes, prologue: Prologue, blocks: MatvecBlocks,
+def _matvecs(x, second, norm_weight, weights, *, out_dtypes, prologue: Prologue, blocks: MatvecBlocks,
              interpret: bool):
     m_rows, depth = x.shape
     min_bn = DOT_ROWS if blocks.dot else 1
     parts = _parts([w.shape[0] for w in weights], blocks.bn, min_bn)
     bk = max(min(blocks.bk, pl.next_power_of_2(depth)), min_bn)
-    if prologue.group is not None and prologue.group < depth:
-        bk = max(bk, prologue.group)
     params = None if interpret else pltriton.CompilerParams(num_warps=blocks.num_warps,
                                                              num_stages=blocks.num_stages)
-    inputs = [a for a in (second, None if norm_weight is None else norm_weight.reshape(1, -1), gate) if a is not None]
+    inputs = [a for a in (second, None if norm_weight is None else norm_weight.reshape(1, -1)) if a is not None]
     return pl.pallas_call(
         functools.partial(_matvecs_kernel, parts=parts, bk=bk, dot=blocks.dot, prologue=prologue),
         out_shape=tuple(jax.ShapeDtypeStruct((m_rows, w.shape[0]), d) for w, d in zip(weights, out_dtypes)),
@@ -314,21 +284,18 @@ def _check_dtype(name: str, dtype) -> None:
 
 def matvecs(x: Array, weights: Sequence[Array], out_dtypes: Sequence | None = None, *,
             read_as=None, act: tuple[Callable, Array] | None = None, norm: tuple[Array, float] | None = None,
-            gate: Array | None = None, x_dtype=None, blocks: MatvecBlocks | None = None,
-            interpret: bool | None = None) -> tuple[Array, ...]:
+            x_dtype=None, blocks: MatvecBlocks | None = None, interpret: bool | None = None) -> tuple[Array, ...]:
     """x [M, D] (M <= MAX_ROWS), weights [N_i, D] -> (x' @ W_i^T [M, N_i] in out_dtypes[i], ...),
     x' what the prologue (``Prologue``, in this order) makes of x inside the kernel:
 
     - ``read_as``: x (and act's second input) rounded to this dtype first;
     - ``act`` = (fn, y [M, D]): x' = fn(x, y), a gated activation (``k3jax.functional.moe``);
-    - ``norm`` = (weight [G], eps): RMS-normed as ``k3jax.functional.norms.rms_norm`` over the row
-      (G = D) or over each group of G columns (G a power of two dividing D; KDA's per-head norm);
-    - ``gate`` [M, D]: the norm's output times sigmoid(gate), as ``gated_rms_norm``;
+    - ``norm`` = (weight [D], eps): RMS-normed over the row as ``k3jax.functional.norms.rms_norm``;
     - ``x_dtype``: x' rounded to this dtype last (the products' x operand).
 
     bf16 or float32 operands; float32 products and sums, one rounding to the output dtype (default
-    x'.dtype). One kernel for all the weights. ``blocks`` default: ``GATED_NORM_BLOCKS`` with a
-    gate, else ``DEFAULT_BLOCKS``, read at each call."""
+    x'.dtype). One kernel for all the weights. ``blocks`` default: ``DEFAULT_BLOCKS``, read at each
+    call."""
     weights = tuple(weights)
     if x.ndim != 2 or not 1 <= x.shape[0] <= MAX_ROWS:
         raise ValueError(f"x must be [M, D] with 1 <= M <= {MAX_ROWS}, got shape {x.shape}")
@@ -338,30 +305,24 @@ def matvecs(x: Array, weights: Sequence[Array], out_dtypes: Sequence | None = No
         if w.ndim != 2 or w.shape[1] != x.shape[1] or w.shape[0] < 1:
             raise ValueError(f"weight {i} must be [N, D] with D = {x.shape[1]} (x's), got shape {w.shape}")
     fn, second = (None, None) if act is None else act
-    for name, a in (("act's second input", second), ("gate", gate)):
-        if a is not None and a.shape != x.shape:
-            raise ValueError(f"{name} must have x's shape {x.shape}, got {a.shape}")
-    for operand in (x, *weights, *(a for a in (second, gate) if a is not None)):
+    if second is not None and second.shape != x.shape:
+        raise ValueError(f"act's second input must have x's shape {x.shape}, got {second.shape}")
+    for operand in (x, *weights, *(() if second is None else (second,))):
         _check_dtype("operands", operand.dtype)
     _check_dtype("read_as", read_as)
     _check_dtype("x_dtype", x_dtype)
     norm_weight, eps = (None, None) if norm is None else (norm[0], float(norm[1]))
-    depth, group = x.shape[1], None if norm_weight is None else norm_weight.shape[-1]
-    if norm_weight is not None and not (norm_weight.ndim == 1 and jnp.dtype(norm_weight.dtype) in DTYPES and (
-            group == depth or (group & (group - 1) == 0 and depth % group == 0))):
-        raise ValueError(f"norm weight must be [G] bf16 or float32 with G = D = {depth} or a power of two dividing "
-                         f"D, got {norm_weight.shape} {norm_weight.dtype}")
-    if gate is not None and norm is None:
-        raise ValueError("gate needs a norm (the gated RMS norm)")
-    prologue = Prologue(read_as=None if read_as is None else jnp.dtype(read_as), act=fn, group=group, eps=eps,
-                        gated=gate is not None, dtype=None if x_dtype is None else jnp.dtype(x_dtype))
+    if norm_weight is not None and (norm_weight.shape != (x.shape[1],) or jnp.dtype(norm_weight.dtype) not in DTYPES):
+        raise ValueError(f"norm weight must be [D] = [{x.shape[1]}] bf16 or float32, got {norm_weight.shape} "
+                         f"{norm_weight.dtype}")
+    prologue = Prologue(read_as=None if read_as is None else jnp.dtype(read_as), act=fn, eps=eps,
+                        dtype=None if x_dtype is None else jnp.dtype(x_dtype))
     out_dtypes = (_prologue_dtype(x, second, prologue),) * len(weights) if out_dtypes is None else tuple(out_dtypes)
     if len(out_dtypes) != len(weights):
         raise ValueError(f"{len(out_dtypes)} out_dtypes for {len(weights)} weights")
     interpret = pallas_interpret() if interpret is None else interpret
-    return _matvecs(x, second, norm_weight, gate, weights, out_dtypes=tuple(jnp.dtype(d) for d in out_dtypes),
-                    prologue=prologue, blocks=blocks or (DEFAULT_BLOCKS if gate is None else GATED_NORM_BLOCKS),
-                    interpret=interpret)
+    return _matvecs(x, second, norm_weight, weights, out_dtypes=tuple(jnp.dtype(d) for d in out_dtypes),
+                    prologue=prologue, blocks=blocks or DEFAULT_BLOCKS, interpret=interpret)
 
 
-__all__ = ["DEFAULT_BLOCKS", "GATED_NORM_BLOCKS", "MAX_ROWS", "MatvecBlocks", "Prologue", "matvecs"]
+__all__ = ["DEFAULT_BLOCKS", "MAX_ROWS", "MatvecBlocks", "Prologue", "matvecs"]

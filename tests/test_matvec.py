@@ -9,7 +9,8 @@ from flax import nnx
 
 from k3jax import use_implementation
 from k3jax.functional.moe import situ, swiglu
-from k3jax.functional.norms import gated_rms_norm, rms_norm
+from k3jax.functional.attn_res import DepthMix
+from k3jax.functional.norms import rms_norm
 from k3jax.layers import basic
 from k3jax.layers.basic import Activated, RMSNorm, project
 from pallas_kernels.matvec import MAX_ROWS, MatvecBlocks, matvecs
@@ -60,27 +61,23 @@ def test_rms_norm_inside_matches_norm_then_einsum(m, blocks):
 
 
 def _lowering_prologue(name):
-    """matvecs keyword arguments of each prologue, for x [3, 2048] (16 heads of 128 for the gated norm)."""
+    """matvecs keyword arguments of each prologue, for x [3, 2048]."""
     f32, bf16 = jnp.float32, jnp.bfloat16
     return {"none": {},
             "rms_norm": dict(norm=(jnp.ones((2048,), f32), 1e-6)),
-            "gated_group_norm": dict(norm=(jnp.ones((128,), bf16), 1e-6), gate=jnp.ones((3, 2048), bf16),
-                                     x_dtype=bf16),
             "situ": dict(act=(situ, jnp.ones((3, 2048), bf16))),
             "read_as_norm": dict(read_as=bf16, norm=(jnp.ones((2048,), bf16), 1e-6))}[name]
 
 
 @pytest.mark.parametrize("blocks,prologue", [(MatvecBlocks(), "none"), (MatvecBlocks(bn=16, dot=True), "rms_norm"),
-                                             (MatvecBlocks(bk=512), "gated_group_norm"), (MatvecBlocks(), "situ"),
-                                             (MatvecBlocks(bk=512), "read_as_norm")])
+                                             (MatvecBlocks(), "situ"), (MatvecBlocks(bk=512), "read_as_norm")])
 def test_lowers_for_cuda_through_triton(blocks, prologue):
     """Pallas' Triton lowering of the kernel (masked row and column tiles, two dtypes, each prologue;
     a whole-row norm wider than bk takes its pass over x first), on the CPU."""
     args = [jax.ShapeDtypeStruct(s, d) for s, d in
             [((3, 2000), jnp.bfloat16), ((100, 2000), jnp.float32), ((16, 2000), jnp.bfloat16)]]
     if prologue != "none":
-        args[0] = jax.ShapeDtypeStruct((3, 2048), jnp.float32 if prologue in ("gated_group_norm", "read_as_norm")
-                                       else jnp.bfloat16)
+        args[0] = jax.ShapeDtypeStruct((3, 2048), jnp.float32 if prologue == "read_as_norm" else jnp.bfloat16)
         args[1:] = [jax.ShapeDtypeStruct((n, 2048), d) for _, n, d in ((0, 100, jnp.float32), (0, 16, jnp.bfloat16))]
     kwargs = _lowering_prologue(prologue)
     fn = lambda x, *w: matvecs(x, w, (jnp.float32, jnp.bfloat16), blocks=blocks, interpret=False, **kwargs)
@@ -92,23 +89,6 @@ def _prologue_case(name, key):
     f32, bf16 = jnp.float32, jnp.bfloat16
     k = jax.random.split(key, 4)
     normal = lambda i, shape, dtype, scale=1.0: (scale * jax.random.normal(k[i], shape, f32)).astype(dtype)
-    if name in ("gated_group_norm", "gated_group_norm_dot", "group_norm_bk_raised"):
-        m, heads, width = {"gated_group_norm": (1, 3, 16), "gated_group_norm_dot": (3, 4, 16),
-                           "group_norm_bk_raised": (2, 3, 32)}[name]
-        x_dtype, gate_dtype = (f32, bf16) if name == "gated_group_norm" else (bf16, f32)
-        scale = jnp.array([30.0, 0.01, 1.0, 3.0])[:heads].repeat(width)  # heads of very different scale
-        x = normal(0, (m, heads * width), x_dtype, scale)
-        weight = (1.0 + 0.1 * normal(1, (width,), f32)).astype(gate_dtype)
-        groups = x.reshape(m, heads, width)
-        if name == "group_norm_bk_raised":
-            want = rms_norm(groups, weight, 1e-5).reshape(x.shape)
-            return x, dict(norm=(weight, 1e-5)), MatvecBlocks(bn=8, bk=16), want
-        gate = normal(2, x.shape, gate_dtype, 3.0)
-        want = gated_rms_norm(groups, gate.reshape(groups.shape), weight, 1e-5).reshape(x.shape)
-        kwargs = dict(norm=(weight, 1e-5), gate=gate)
-        if name == "gated_group_norm":  # KDA: float32 x, the result rounded to bf16
-            return x, dict(kwargs, x_dtype=bf16), ROWS, want.astype(bf16)
-        return x, kwargs, DOT, want
     if name in ("situ", "situ_dot", "swiglu"):  # bf16 SwiGLU rounds twice, which XLA may skip: float32
         m, dtype, act = {"situ": (1, bf16, situ), "situ_dot": (3, bf16, situ), "swiglu": (3, f32, swiglu)}[name]
         gate, up = normal(0, (m, 72), dtype, 4.0), normal(1, (m, 72), dtype, 4.0)
@@ -119,8 +99,7 @@ def _prologue_case(name, key):
     return x, dict(read_as=bf16, norm=(weight, 1e-5)), ROWS, rms_norm(x.astype(bf16), weight, 1e-5)
 
 
-@pytest.mark.parametrize("name", ["gated_group_norm", "gated_group_norm_dot", "group_norm_bk_raised", "situ",
-                                  "situ_dot", "swiglu", "read_as_row_norm", "read_as_row_norm_one_tile"])
+@pytest.mark.parametrize("name", ["situ", "situ_dot", "swiglu", "read_as_row_norm", "read_as_row_norm_one_tile"])
 def test_prologue_matches_its_jnp_reference(name):
     """Each prologue against the jnp functions it stands for: an identity weight returns the
     prologue's x itself, equal to the reference up to one ulp of its dtype (the norm's float32 sums
@@ -141,9 +120,8 @@ def test_prologue_matches_its_jnp_reference(name):
 
 
 def _project_site(name, key):
-    """project's arguments at one row for each input the kernel prepares: KDA's output (float32, gated
-    per-head norm, bf16 products), a shared expert's down projection (SiTU), the routed experts'
-    float32 sums read as bf16 before the latent norm."""
+    """project's arguments at one row for each input the kernel prepares: a shared expert's down
+    projection (SiTU), the routed experts' float32 sums read as bf16 before the latent norm."""
     f32, bf16 = jnp.float32, jnp.bfloat16
     k = jax.random.split(key, 5)
     normal = lambda i, shape, dtype, scale=1.0: (scale * jax.random.normal(k[i], shape, f32)).astype(dtype)
@@ -153,16 +131,13 @@ def _project_site(name, key):
         norm.weight = nnx.Param((1.0 + 0.1 * normal(4, (width,), f32)).astype(bf16))
         return norm
 
-    if name == "kda_output":
-        return ((normal(0, (1, 1, 48), f32, 3.0), [normal(1, (20, 48), bf16)], [bf16], rms(16)),
-                dict(gate=normal(2, (1, 1, 48), bf16, 3.0)))
     if name == "shared_expert":
         return (Activated(situ, normal(0, (1, 1, 72), bf16, 4.0), normal(2, (1, 1, 72), bf16, 4.0)),
                 [normal(1, (20, 72), bf16)]), {}
     return (normal(0, (1, 1, 64), f32, 3.0), [normal(1, (20, 64), bf16)], None, rms(64)), dict(read_as=bf16)
 
 
-@pytest.mark.parametrize("name", ["kda_output", "shared_expert", "latent_up"])
+@pytest.mark.parametrize("name", ["shared_expert", "latent_up"])
 def test_project_kernel_prologue_equals_xla(name, monkeypatch):
     """project on the Pallas path at one row (the matvec kernel, the input prepared in its prologue)
     against the same call on XLA (kernel rows set to 0): equal up to one bf16 ulp."""
@@ -199,17 +174,13 @@ def test_bad_inputs_are_refused():
     with pytest.raises(ValueError, match="out_dtypes"):
         matvecs(x, [w, w], [jnp.float32])
     with pytest.raises(ValueError, match="norm weight"):
-        matvecs(x, [w], norm=(jnp.ones((48,)), 1e-6))  # neither D nor a power of two dividing D
+        matvecs(x, [w], norm=(jnp.ones((48,)), 1e-6))
     with pytest.raises(ValueError, match="second input must have x's shape"):
         matvecs(x, [w], act=(swiglu, jnp.zeros((2, 32), jnp.bfloat16)))
-    with pytest.raises(ValueError, match="gate must have x's shape"):
-        matvecs(x, [w], norm=(jnp.ones((16,)), 1e-6), gate=jnp.zeros((1, 64), jnp.bfloat16))
-    with pytest.raises(ValueError, match="gate needs a norm"):
-        matvecs(x, [w], gate=x)
     with pytest.raises(ValueError, match="read_as must be bfloat16 or float32"):
         matvecs(x, [w], read_as=jnp.float16)
-    with pytest.raises(ValueError, match="gate needs a norm"):
-        project(x, [w], gate=x)
+    with pytest.raises(ValueError, match="read_as applies to an array"):
+        project(DepthMix(jnp.zeros((1, 2, 64)), 0, x, jnp.ones((64,)), jnp.ones((64,)), 1e-6), [w], read_as=jnp.float32)
     with pytest.raises(ValueError, match="at least one"):
         matvecs(x, [])
     with pytest.raises(ValueError, match="power of two"):

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.functional.attn_res import DepthMix
-from k3jax.functional.norms import gated_rms_norm, rms_norm
+from k3jax.functional.norms import rms_norm
 from k3jax.implementation import get_implementation
 from k3jax.typing import Array
 
@@ -126,25 +126,11 @@ def _input_dtype(x: "Array | DepthMix | Activated", read_as) -> jnp.dtype:
     return jax.eval_shape(x.act, read(x.gate), read(x.up)).dtype if isinstance(x, Activated) else read(x).dtype
 
 
-def _normed(x: Array, norm: "RMSNorm", gate: Array | None) -> Array:
-    """norm(x) over the last axis, or over each group of the norm's width (KDA's per-head norm);
-    times sigmoid(gate) with a gate (``gated_rms_norm``)."""
-    weight = norm.weight[...]
-    width = weight.shape[0]
-    if gate is None and width == x.shape[-1]:
-        return norm(x)
-    groups = x.reshape(*x.shape[:-1], x.shape[-1] // width, width)
-    out = rms_norm(groups, weight, norm.eps) if gate is None else gated_rms_norm(
-        groups, gate.reshape(groups.shape), weight, norm.eps)
-    return out.reshape(x.shape)
-
-
-def _prologue_kwargs(x: "Array | Activated", norm: "RMSNorm | None", gate: Array | None, read_as,
-                     dtypes: Sequence) -> tuple[Array, dict]:
+def _prologue_kwargs(x: "Array | Activated", norm: "RMSNorm | None", read_as, dtypes: Sequence) -> tuple[Array, dict]:
     """x's rows [M, D] and the matvec kernel's prologue arguments (``pallas_kernels.matvec.matvecs``)
     that make project's input from them."""
     rows = lambda a: a.reshape(-1, a.shape[-1])
-    kwargs = dict(read_as=read_as, gate=None if gate is None else rows(gate))
+    kwargs = dict(read_as=read_as)
     if norm is not None:
         kwargs["norm"] = (norm.weight[...], norm.eps)
     if len({jnp.dtype(dt) for dt in dtypes}) == 1:
@@ -156,23 +142,20 @@ def _prologue_kwargs(x: "Array | Activated", norm: "RMSNorm | None", gate: Array
 
 
 def project(x: "Array | DepthMix | Activated", weights: Sequence[Array], dtypes: Sequence | None = None,
-            norm: "RMSNorm | None" = None, *, gate: Array | None = None, read_as=None) -> list[Array]:
+            norm: "RMSNorm | None" = None, *, read_as=None) -> list[Array]:
     """x [..., D] times each weight [N_i, D]^T, as ``einsum(x.astype(dt), w.astype(dt))`` with dt =
     dtypes[i] (default x's dtype as prepared below; float32 sums): what ``Linear`` computes, or the
     router's float32 logits. x is prepared first, in this order: a Block AttnRes ``DepthMix`` is
     mixed; x (an ``Activated``'s two inputs) rounded to ``read_as``; an ``Activated`` applied;
-    RMS-normed by ``norm``, over each group of the norm's width where narrower than D (KDA's
-    per-head norm), times sigmoid(``gate``) with a gate (``gated_rms_norm``).
+    RMS-normed by ``norm``.
 
     The maps that read one input (a layer's projections) go together so that, on the Pallas path
     for one row (batch-1 decode) off TPU, one kernel computes them all, x's preparation included
     (``pallas_kernels.matvec``; an ``Activated`` only up to ``ACT_PROLOGUE_MAX_WIDTH``), instead of
     one small kernel each; a mix before them is then computed with the norm in one more small
     kernel (``pallas_kernels.depth_mix``)."""
-    if isinstance(x, DepthMix) and (gate is not None or read_as is not None):
-        raise ValueError("project: gate and read_as apply to an array or an Activated, not a DepthMix")
-    if gate is not None and norm is None:
-        raise ValueError("project: a gate needs a norm (the gated RMS norm)")
+    if isinstance(x, DepthMix) and read_as is not None:
+        raise ValueError("project: read_as applies to an array or an Activated, not a DepthMix")
     x_dtype = _input_dtype(x, read_as)
     dtypes = [x_dtype] * len(weights) if dtypes is None else list(dtypes)
     kernel = _matvec_kernel_fits(math.prod(x.shape[:-1]), x_dtype, weights, dtypes) and not (
@@ -183,7 +166,7 @@ def project(x: "Array | DepthMix | Activated", weights: Sequence[Array], dtypes:
         from pallas_kernels.matvec import matvecs
 
         lead = x.shape[:-1]
-        rows, kwargs = _prologue_kwargs(x, norm, gate, read_as, dtypes)
+        rows, kwargs = _prologue_kwargs(x, norm, read_as, dtypes)
         outs = matvecs(rows, list(weights), dtypes, **kwargs)
         return [y.reshape(*lead, y.shape[-1]) for y in outs]
     if read_as is not None:
@@ -192,7 +175,7 @@ def project(x: "Array | DepthMix | Activated", weights: Sequence[Array], dtypes:
     if isinstance(x, Activated):
         x = x.value()
     if norm is not None:
-        x = _normed(x, norm, gate)
+        x = norm(x)
     return [jnp.einsum("...i,oi->...o", x.astype(dt), w.astype(dt), precision=_HI) for w, dt in zip(weights, dtypes)]
 
 

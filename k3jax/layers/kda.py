@@ -11,6 +11,7 @@ from flax import nnx
 from k3jax.config import KDAConfig
 from k3jax.functional import kda as F
 from k3jax.functional.conv import causal_conv
+from k3jax.functional.norms import gated_rms_norm
 from k3jax.implementation import get_implementation
 from k3jax.layers.basic import Linear, RMSNorm, Rngs, normal, project
 from k3jax.typing import Array
@@ -136,8 +137,8 @@ class KDA(nnx.Module):
         else:
             o, rec = self._gates_then_core(q, k, v, z, a_log, dt_bias, beta_logits, state.recurrent, valid)
         gate = gate if hasattr(self, "g_proj") else self.g_b_proj(gate)
-        o = project(o.reshape(B, T, H * K), [self.o_proj.weight[...]], [x.dtype], self.o_norm, gate=gate)[0]
-        return o, KDAState(conv, rec)
+        o = gated_rms_norm(o, heads(gate), self.o_norm.weight[...], self.eps).astype(x.dtype)
+        return self.o_proj(o.reshape(B, T, H * K)), KDAState(conv, rec)
 
     def _gates_then_core(self, q, k, v, z, a_log, dt_bias, beta_logits, state, valid):
         """Norms and gates in plain JAX, then the plain (q, k, v, g, beta) contract."""
