@@ -58,10 +58,16 @@ def jax_at_least(major: int, minor: int) -> bool:
     return tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (major, minor)
 
 
+def triton_kernels() -> bool:
+    """The Pallas path off TPU: where the layers may take the Triton-only kernels (decode MoE, expert
+    selection, matvecs, the decode step's small kernels), on a GPU or in interpret mode on a CPU."""
+    return get_implementation() == "pallas" and jax.default_backend() != "tpu"
+
+
 def pallas_interpret() -> bool:
     """Pallas kernels run in interpret mode when no GPU or TPU is present."""
     return jax.default_backend() == "cpu"
 
 
 __all__ = ["Implementation", "get_implementation", "set_implementation", "use_implementation", "pallas_interpret",
-           "jax_at_least", "scoped"]
+           "triton_kernels", "jax_at_least", "scoped"]

@@ -16,7 +16,7 @@ from flax import nnx
 
 from k3jax.functional.attn_res import DepthMix
 from k3jax.functional.norms import rms_norm
-from k3jax.implementation import get_implementation
+from k3jax.implementation import triton_kernels
 from k3jax.typing import Array
 
 _HI = jax.lax.Precision.HIGHEST
@@ -73,7 +73,7 @@ def _matvec_kernel_fits(rows: int, x_dtype, weights: Sequence[Array], dtypes: Se
     """The Pallas path, one row (a batch-1 decode step), off TPU, and operands the kernel reads
     exactly as the einsums would: each weight in the product's dtype (or the product in float32),
     and x too unless every product has one dtype (the kernel then rounds x to it)."""
-    if get_implementation() != "pallas" or jax.default_backend() == "tpu":
+    if not triton_kernels():
         return False
     exact = lambda dtype, dt: dtype == dt or dt == jnp.float32
     uniform = len({jnp.dtype(dt) for dt in dtypes}) == 1

@@ -12,7 +12,7 @@ from k3jax.config import KDAConfig
 from k3jax.functional import kda as F
 from k3jax.functional.conv import causal_conv
 from k3jax.functional.norms import gated_rms_norm
-from k3jax.implementation import get_implementation
+from k3jax.implementation import get_implementation, triton_kernels
 from k3jax.layers.basic import Linear, RMSNorm, Rngs, normal, project
 from k3jax.typing import Array
 
@@ -65,7 +65,7 @@ def _short_convs_xla(xs, taps, state, lengths):
 def _short_convs(xs, taps, state, lengths):
     """``_short_convs_xla``, or for a decode step (T = 1, no padding) on the Pallas path off TPU one
     kernel that also updates the state in place (``pallas_kernels.short_conv``)."""
-    if xs[0].shape[1] == 1 and lengths is None and get_implementation() == "pallas" and jax.default_backend() != "tpu":
+    if xs[0].shape[1] == 1 and lengths is None and triton_kernels():
         from pallas_kernels.short_conv import conv_silu_step
 
         ys, state = conv_silu_step([x[:, 0] for x in xs], taps, state)

@@ -11,7 +11,7 @@ from flax import nnx
 
 from k3jax.config import MLAConfig
 from k3jax.functional.mla import absorbed_attention, causal_attention, mla_keys_values
-from k3jax.implementation import get_implementation
+from k3jax.implementation import triton_kernels
 from k3jax.layers.basic import Linear, RMSNorm, Rngs, project
 from k3jax.typing import Array
 
@@ -79,7 +79,7 @@ class MLA(nnx.Module):
     def _write(self, c: Array, cache: MLACache, pos: Array) -> MLACache:
         """``_write_xla``, or for a decode step (T = 1) on the Pallas path off TPU one kernel
         (``pallas_kernels.latent_cache``)."""
-        if c.shape[1] == 1 and get_implementation() == "pallas" and jax.default_backend() != "tpu":
+        if c.shape[1] == 1 and triton_kernels():
             from pallas_kernels.latent_cache import write_latents
 
             norm = self.kv_a_layernorm

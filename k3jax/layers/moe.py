@@ -8,13 +8,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import MoEConfig
 from k3jax.functional.moe import Activation, grouped_matmul, moe_dense, moe_sorted, select_experts
-from k3jax.implementation import get_implementation
+from k3jax.implementation import get_implementation, triton_kernels
 from k3jax.layers.basic import Linear, RMSNorm, Rngs, materialize, normal, project
 from k3jax.layers.mlp import DenseMLP
 from k3jax.mx import MXTensor, quantize_compiled
@@ -60,7 +59,7 @@ def _expert_matmul(x: Array, w: Array | MXTensor, group_sizes: Array) -> Array:
 def _fused_decode(w: Array | MXTensor, experts: Array) -> bool:
     """The Pallas path's one-kernel MoE for a few (token, expert) pairs (decode) on MXFP4 experts,
     where it measured faster than the sorted dispatch (``fused_moe_pays``); Triton's, so not on a TPU."""
-    if not isinstance(w, MXTensor) or get_implementation() != "pallas" or jax.default_backend() == "tpu":
+    if not isinstance(w, MXTensor) or not triton_kernels():
         return False
     from pallas_kernels.mx_matmul import fused_moe_pays
 
@@ -101,7 +100,7 @@ class MoE(nnx.Module):
         experts in one kernel (``pallas_kernels.route``)."""
         cfg = self.cfg
         select = select_experts
-        if get_implementation() == "pallas" and jax.default_backend() != "tpu":
+        if triton_kernels():
             from pallas_kernels import route as kernels
 
             select = kernels.select_experts
