@@ -13,7 +13,9 @@ Each switch turns one change off (module attributes read while a step is traced)
 - block store by select: ``k3jax.model._store_block`` given a traced commit even where the layer index is known;
 - latents by XLA: ``MLA._write`` set to ``MLA._write_xla`` (not ``pallas_kernels.latent_cache``);
 - activation by XLA: ``k3jax.layers.basic.ACT_PROLOGUE_MAX_WIDTH`` 0 (the shared experts' act(gate, up) is
-  an XLA op before their down projection, not the matvec kernel's prologue).
+  an XLA op before their down projection, not the matvec kernel's prologue);
+- adds by XLA: ``k3jax.layers.basic.ADD_IN_KERNEL`` False (the residual and shared-expert adds after a
+  projection are XLA ops, not the matvec kernel's epilogue).
 Variants: the default, each switch alone, all the changes off. Also prints each variant's first logits
 against the default's (with random bf16 weights the model amplifies float32 summation order).
 """
@@ -43,6 +45,7 @@ OFF = {  # a change's name -> (owner, attribute, value with the change off)
                               lambda blocks, n, partial, commit: _store(blocks, n, partial, jnp.asarray(commit))),
     "latents by XLA": (MLA, "_write", MLA._write_xla),
     "activation by XLA": (basic, "ACT_PROLOGUE_MAX_WIDTH", 0),
+    "adds by XLA": (basic, "ADD_IN_KERNEL", False),
 }
 ORIGINAL = {name: getattr(owner, attribute) for name, (owner, attribute, _) in OFF.items()}
 VARIANTS = {"default": (), **{name: (name,) for name in OFF}, "all off": tuple(OFF)}

@@ -62,22 +62,26 @@ class DecoderLayer(nnx.Module):
             self.self_attention_res = AttnRes(d, eps, param_dtype=param_dtype)
             self.mlp_res = AttnRes(d, eps, param_dtype=param_dtype)
 
-    def attention(self, h: Array, cache=None, ctx: "Positions | None" = None):
-        """Attention of the normed input; with a cache (``ctx`` given) it continues the sequence."""
+    def attention(self, h: Array, cache=None, ctx: "Positions | None" = None, residual: Array | None = None):
+        """Attention of the normed input, plus ``residual`` when given; with a cache (``ctx`` given) it
+        continues the sequence. Returns (output, cache)."""
         kda = isinstance(self.self_attn, KDA)
         with jax.named_scope("kda" if kda else "mla"):  # names the kernels in profiles
             norm = self.input_layernorm
             if kda:
-                return self.self_attn(h, cache, None if ctx is None else ctx.valid, norm=norm)
+                a, cache = self.self_attn(h, cache, None if ctx is None else ctx.valid, norm=norm)
+                return (a if residual is None else a + residual), cache
             if ctx is None:
-                return self.self_attn(h, norm=norm), None
-            return self.self_attn.extend(h, cache, ctx.start, ctx.window, norm=norm)
+                return self.self_attn(h, norm=norm, residual=residual), None
+            return self.self_attn.extend(h, cache, ctx.start, ctx.window, norm=norm, residual=residual)
 
-    def ffn(self, h: Array) -> Array:
+    def ffn(self, h: Array, residual: Array | None = None) -> Array:
+        """The feed-forward of the normed input, plus ``residual`` when given (added by the last
+        projection's kernel where ``project`` takes it)."""
         moe = hasattr(self, "block_sparse_moe")
         with jax.named_scope("moe" if moe else "mlp"):
             ffn = self.block_sparse_moe if moe else self.mlp
-            return ffn(h, norm=self.post_attention_layernorm)
+            return ffn(h, norm=self.post_attention_layernorm, residual=residual)
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
         """KDA: conv inputs and the float32 state; MLA: the latent cache of max_len positions."""
@@ -87,9 +91,8 @@ class DecoderLayer(nnx.Module):
 
     def residual(self, x: Array, cache=None, ctx=None):
         """Kimi Linear's plain residual. Returns (x, no mixing weights, cache)."""
-        a, cache = self.attention(x, cache, ctx)
-        x = x + a
-        return x + self.ffn(x), jnp.zeros((), x.dtype), cache
+        x, cache = self.attention(x, cache, ctx, residual=x)
+        return self.ffn(x, residual=x), jnp.zeros((), x.dtype), cache
 
     def attn_res(self, carry: tuple[Array, Array, Array], commit: "bool | Array", cache=None, ctx=None):
         """K3's Block AttnRes step. carry = (blocks [N, B, T, D], n_blocks, x); ``commit`` (a Python
@@ -100,12 +103,19 @@ class DecoderLayer(nnx.Module):
         with jax.named_scope("attn_res"):
             w_attn = h.weights()
         blocks, n = _store_block(blocks, n, partial, commit)
-        a, cache = self.attention(h, cache, ctx)
-        partial = jnp.where(commit, jnp.zeros_like(partial), partial) + a
+        partial, cache = self.attention(h, cache, ctx, residual=_kept_partial(partial, commit))
         h = self.mlp_res.deferred(blocks, n, partial)
         with jax.named_scope("attn_res"):
             w_mlp = h.weights()
-        return (blocks, n, partial + self.ffn(h)), jnp.stack([w_attn, w_mlp]), cache
+        return (blocks, n, self.ffn(h, residual=partial)), jnp.stack([w_attn, w_mlp]), cache
+
+
+def _kept_partial(partial: Array, commit: "bool | Array") -> Array | None:
+    """What the attention's output adds to: nothing where the layer starts a block (a Python True),
+    else the partial sum (zeros where a traced commit is true)."""
+    if isinstance(commit, bool):
+        return None if commit else partial
+    return jnp.where(commit, jnp.zeros_like(partial), partial)
 
 
 def _store_block(blocks: Array, n: Array, partial: Array, commit) -> tuple[Array, Array]:

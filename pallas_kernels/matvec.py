@@ -26,6 +26,10 @@ come from the tile where it holds the whole row, else from one pass over x befor
 (KDA's gated per-head output norm was a prologue too, for o_proj; on the H200 that step measured
 2-3% slower than XLA's norm and einsum, so it went: benchmarks/RESULTS.md, issue 4, seventh session.)
 
+Output epilogue (``add``): arrays added to an output after its rounding, each sum rounded again (the
+residual adds after a layer's last projection, and a MoE's shared-expert output), so that no XLA add
+kernel follows the matvec.
+
 Ragged shapes: a weight of fewer rows than bn gets a block of next_power_of_2(N_i) rows (Triton
 blocks are powers of two); a last block that runs past N_i loads with a row mask (zeros) and stores
 with the same mask; D need not be a multiple of bk (column mask on the last chunk). x and the
@@ -200,9 +204,11 @@ def _x_tiles(refs: _XRefs, prologue: Prologue, rows: int, bk: int, firsts) -> "c
     return x_at
 
 
-def _block_product(x_refs: _XRefs, w_ref, o_ref, row0, *, bn: int, bk: int, dot: bool, prologue: Prologue) -> None:
+def _block_product(x_refs: _XRefs, w_ref, add_refs, o_ref, row0, *, bn: int, bk: int, dot: bool,
+                   prologue: Prologue) -> None:
     """o[:, row0:row0 + bn] = x @ w[row0:row0 + bn]^T in float32, rows past w's end masked (x as the
-    prologue makes it).
+    prologue makes it), rounded to o's dtype, then each addend's block added in turn (in float32,
+    rounded to o's dtype after each: ``(y + a).astype(y.dtype)``).
 
     Rows form: a float32 [bn] sum per row of x, each step adding the row sums of w * x_m. Dot form:
     a [DOT_ROWS, bn] float32 accumulator from x (rows past M loaded as zeros) . w^T on the matrix
@@ -225,32 +231,43 @@ def _block_product(x_refs: _XRefs, w_ref, o_ref, row0, *, bn: int, bk: int, dot:
 
     init = jnp.zeros((DOT_ROWS, bn), jnp.float32) if dot else (jnp.zeros((bn,), jnp.float32),) * m_rows
     acc = jax.lax.fori_loop(0, pl.cdiv(depth, bk), step, init)
-    out_mask = None if row_mask is None else row_mask[None, :]
+    def epilogue(y, rows, mask):
+        y = y.astype(o_ref.dtype)
+        for a_ref in add_refs:
+            a = _load(a_ref.at[rows, pl.ds(row0, bn)], mask)
+            y = (y.astype(jnp.float32) + a.astype(jnp.float32)).astype(o_ref.dtype)
+        return y
+
     if dot:
-        pltriton.store(o_ref.at[pl.ds(0, DOT_ROWS), pl.ds(row0, bn)], acc.astype(o_ref.dtype),
-                       mask=_tile_mask(_valid(0, DOT_ROWS, m_rows), row_mask, (DOT_ROWS, bn)))
+        rows, mask = pl.ds(0, DOT_ROWS), _tile_mask(_valid(0, DOT_ROWS, m_rows), row_mask, (DOT_ROWS, bn))
+        pltriton.store(o_ref.at[rows, pl.ds(row0, bn)], epilogue(acc, rows, mask), mask=mask)
         return
+    out_mask = None if row_mask is None else row_mask[None, :]
     for m in range(m_rows):
-        pltriton.store(o_ref.at[pl.ds(m, 1), pl.ds(row0, bn)], acc[m][None, :].astype(o_ref.dtype), mask=out_mask)
+        rows = pl.ds(m, 1)
+        pltriton.store(o_ref.at[rows, pl.ds(row0, bn)], epilogue(acc[m][None, :], rows, out_mask), mask=out_mask)
 
 
-def _matvecs_kernel(*refs, parts: tuple[_Part, ...], bk: int, dot: bool, prologue: Prologue):
+def _matvecs_kernel(*refs, parts: tuple[_Part, ...], n_adds: tuple[int, ...], bk: int, dot: bool,
+                    prologue: Prologue):
     """Refs: x [M, D]; act's second input [M, D] (with act), the norm weight [1, D] (with a norm);
-    the weights [N_i, D]; then the outputs [M, N_i] (whole arrays)."""
+    the weights [N_i, D]; each weight's addends [M, N_i] (n_adds[i] of them), weight by weight; then the
+    outputs [M, N_i] (whole arrays)."""
     uses = (True, prologue.act is not None, prologue.eps is not None)
     refs = list(refs)
     x_refs = _XRefs(*(refs.pop(0) if used else None for used in uses))
-    w_refs, o_refs = refs[:len(parts)], refs[len(parts):]
+    w_refs = [refs.pop(0) for _ in parts]
+    add_refs = [[refs.pop(0) for _ in range(n)] for n in n_adds]
     program = pl.program_id(0)
-    for w_ref, o_ref, part in zip(w_refs, o_refs, parts):
+    for w_ref, adds, o_ref, part in zip(w_refs, add_refs, refs, parts):
         @pl.when((program >= part.first) & (program < part.first + part.blocks))
-        def _(w_ref=w_ref, o_ref=o_ref, part=part):
+        def _(w_ref=w_ref, adds=adds, o_ref=o_ref, part=part):
             row0 = pl.multiple_of((program - part.first) * part.bn, part.bn)
-            _block_product(x_refs, w_ref, o_ref, row0, bn=part.bn, bk=bk, dot=dot, prologue=prologue)
+            _block_product(x_refs, w_ref, adds, o_ref, row0, bn=part.bn, bk=bk, dot=dot, prologue=prologue)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtypes", "prologue", "blocks", "interpret"))
-def _matvecs(x, second, norm_weight, weights, *, out_dtypes, prologue: Prologue, blocks: MatvecBlocks,
+def _matvecs(x, second, norm_weight, weights, adds, *, out_dtypes, prologue: Prologue, blocks: MatvecBlocks,
              interpret: bool):
     m_rows, depth = x.shape
     min_bn = DOT_ROWS if blocks.dot else 1
@@ -260,13 +277,14 @@ def _matvecs(x, second, norm_weight, weights, *, out_dtypes, prologue: Prologue,
                                                              num_stages=blocks.num_stages)
     inputs = [a for a in (second, None if norm_weight is None else norm_weight.reshape(1, -1)) if a is not None]
     return pl.pallas_call(
-        functools.partial(_matvecs_kernel, parts=parts, bk=bk, dot=blocks.dot, prologue=prologue),
+        functools.partial(_matvecs_kernel, parts=parts, n_adds=tuple(len(a) for a in adds), bk=bk, dot=blocks.dot,
+                          prologue=prologue),
         out_shape=tuple(jax.ShapeDtypeStruct((m_rows, w.shape[0]), d) for w, d in zip(weights, out_dtypes)),
         grid=(parts[-1].first + parts[-1].blocks,),
         compiler_params=params,
         interpret=interpret,
         name="matvecs",
-    )(x, *inputs, *weights)
+    )(x, *inputs, *weights, *(a for weight_adds in adds for a in weight_adds))
 
 
 def _prologue_dtype(x: Array, second: Array | None, prologue: Prologue):
@@ -284,7 +302,8 @@ def _check_dtype(name: str, dtype) -> None:
 
 def matvecs(x: Array, weights: Sequence[Array], out_dtypes: Sequence | None = None, *,
             read_as=None, act: tuple[Callable, Array] | None = None, norm: tuple[Array, float] | None = None,
-            x_dtype=None, blocks: MatvecBlocks | None = None, interpret: bool | None = None) -> tuple[Array, ...]:
+            x_dtype=None, add: Sequence[Sequence[Array]] | None = None, blocks: MatvecBlocks | None = None,
+            interpret: bool | None = None) -> tuple[Array, ...]:
     """x [M, D] (M <= MAX_ROWS), weights [N_i, D] -> (x' @ W_i^T [M, N_i] in out_dtypes[i], ...),
     x' what the prologue (``Prologue``, in this order) makes of x inside the kernel:
 
@@ -294,8 +313,9 @@ def matvecs(x: Array, weights: Sequence[Array], out_dtypes: Sequence | None = No
     - ``x_dtype``: x' rounded to this dtype last (the products' x operand).
 
     bf16 or float32 operands; float32 products and sums, one rounding to the output dtype (default
-    x'.dtype). One kernel for all the weights. ``blocks`` default: ``DEFAULT_BLOCKS``, read at each
-    call."""
+    x'.dtype). ``add``: per weight, arrays [M, N_i] in its output dtype added to its output in turn,
+    each sum rounded to that dtype (as ``y + a`` would be), so that no XLA add follows the kernel. One
+    kernel for all the weights. ``blocks`` default: ``DEFAULT_BLOCKS``, read at each call."""
     weights = tuple(weights)
     if x.ndim != 2 or not 1 <= x.shape[0] <= MAX_ROWS:
         raise ValueError(f"x must be [M, D] with 1 <= M <= {MAX_ROWS}, got shape {x.shape}")
@@ -320,8 +340,16 @@ def matvecs(x: Array, weights: Sequence[Array], out_dtypes: Sequence | None = No
     out_dtypes = (_prologue_dtype(x, second, prologue),) * len(weights) if out_dtypes is None else tuple(out_dtypes)
     if len(out_dtypes) != len(weights):
         raise ValueError(f"{len(out_dtypes)} out_dtypes for {len(weights)} weights")
+    add = tuple(() for _ in weights) if add is None else tuple(tuple(a) for a in add)
+    if len(add) != len(weights):
+        raise ValueError(f"add must hold one sequence of addends per weight ({len(weights)}), got {len(add)}")
+    for i, (adds, w, dt) in enumerate(zip(add, weights, out_dtypes)):
+        for a in adds:
+            if a.shape != (x.shape[0], w.shape[0]) or jnp.dtype(a.dtype) != jnp.dtype(dt):
+                raise ValueError(f"addends of output {i} must be [M, N] = {[x.shape[0], w.shape[0]]} in its dtype "
+                                 f"{jnp.dtype(dt)}, got {a.shape} {a.dtype}")
     interpret = pallas_interpret() if interpret is None else interpret
-    return _matvecs(x, second, norm_weight, weights, out_dtypes=tuple(jnp.dtype(d) for d in out_dtypes),
+    return _matvecs(x, second, norm_weight, weights, add, out_dtypes=tuple(jnp.dtype(d) for d in out_dtypes),
                     prologue=prologue, blocks=blocks or DEFAULT_BLOCKS, interpret=interpret)
 
 

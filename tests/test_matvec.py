@@ -60,23 +60,47 @@ def test_rms_norm_inside_matches_norm_then_einsum(m, blocks):
                                    atol=tolerance)
 
 
+@pytest.mark.parametrize("m,blocks", [(1, ROWS), (3, ROWS), (3, DOT)])
+def test_addends_match_rounded_adds(m, blocks):
+    """``add``: each output's addends added after its rounding, each sum rounded again, against the
+    einsum then ``(y + a).astype(y.dtype)`` in turn (a bf16 and a float32 output with two and one
+    addends of the products' scale; the third output none)."""
+    depth = 200
+    keys = jax.random.split(jax.random.key(20 + m), 7)
+    x = jax.random.normal(keys[0], (m, depth), jnp.float32).astype(jnp.bfloat16)
+    weights = [jax.random.normal(k, (n, depth), jnp.float32).astype(d) for k, (n, d) in zip(keys[1:4], WEIGHTS)]
+    out_dtypes = (jnp.bfloat16, jnp.float32, jnp.float32)
+    addend = lambda k, n, dtype: (10.0 * jax.random.normal(k, (m, n), jnp.float32)).astype(dtype)
+    add = [[addend(keys[4], 5, jnp.bfloat16), addend(keys[5], 5, jnp.bfloat16)], [addend(keys[6], 20, jnp.float32)], []]
+    outs = matvecs(x, weights, out_dtypes, add=add, blocks=blocks)
+    for out, w, dtype, adds in zip(outs, weights, out_dtypes, add):
+        want = _reference(x, w, dtype)
+        for a in adds:
+            want = (want + a).astype(dtype)
+        tolerance = 1e-5 if dtype == jnp.float32 else 2e-2  # summation order; a bf16 ulp of the larger sums
+        assert out.dtype == want.dtype
+        np.testing.assert_allclose(np.float32(out), np.float32(want), rtol=tolerance, atol=tolerance)
+
+
 def _lowering_prologue(name):
     """matvecs keyword arguments of each prologue, for x [3, 2048]."""
     f32, bf16 = jnp.float32, jnp.bfloat16
     return {"none": {},
             "rms_norm": dict(norm=(jnp.ones((2048,), f32), 1e-6)),
             "situ": dict(act=(situ, jnp.ones((3, 2048), bf16))),
-            "read_as_norm": dict(read_as=bf16, norm=(jnp.ones((2048,), bf16), 1e-6))}[name]
+            "read_as_norm": dict(read_as=bf16, norm=(jnp.ones((2048,), bf16), 1e-6)),
+            "add": dict(add=[[jnp.ones((3, 100), f32)], [jnp.ones((3, 16), bf16)] * 2])}[name]
 
 
 @pytest.mark.parametrize("blocks,prologue", [(MatvecBlocks(), "none"), (MatvecBlocks(bn=16, dot=True), "rms_norm"),
-                                             (MatvecBlocks(), "situ"), (MatvecBlocks(bk=512), "read_as_norm")])
+                                             (MatvecBlocks(), "situ"), (MatvecBlocks(bk=512), "read_as_norm"),
+                                             (MatvecBlocks(bn=16, dot=True), "add")])
 def test_lowers_for_cuda_through_triton(blocks, prologue):
     """Pallas' Triton lowering of the kernel (masked row and column tiles, two dtypes, each prologue;
-    a whole-row norm wider than bk takes its pass over x first), on the CPU."""
+    a whole-row norm wider than bk takes its pass over x first; addends), on the CPU."""
     args = [jax.ShapeDtypeStruct(s, d) for s, d in
             [((3, 2000), jnp.bfloat16), ((100, 2000), jnp.float32), ((16, 2000), jnp.bfloat16)]]
-    if prologue != "none":
+    if prologue not in ("none", "add"):
         args[0] = jax.ShapeDtypeStruct((3, 2048), jnp.float32 if prologue == "read_as_norm" else jnp.bfloat16)
         args[1:] = [jax.ShapeDtypeStruct((n, 2048), d) for _, n, d in ((0, 100, jnp.float32), (0, 16, jnp.bfloat16))]
     kwargs = _lowering_prologue(prologue)
@@ -134,13 +158,16 @@ def _project_site(name, key):
     if name == "shared_expert":
         return (Activated(situ, normal(0, (1, 1, 72), bf16, 4.0), normal(2, (1, 1, 72), bf16, 4.0)),
                 [normal(1, (20, 72), bf16)]), {}
+    if name == "residual_adds":
+        return (normal(0, (1, 1, 64), bf16), [normal(1, (20, 64), bf16)]), dict(
+            add=(normal(2, (1, 1, 20), bf16, 8.0), normal(3, (1, 1, 20), bf16, 8.0)))
     return (normal(0, (1, 1, 64), f32, 3.0), [normal(1, (20, 64), bf16)], None, rms(64)), dict(read_as=bf16)
 
 
-@pytest.mark.parametrize("name", ["shared_expert", "latent_up"])
+@pytest.mark.parametrize("name", ["shared_expert", "latent_up", "residual_adds"])
 def test_project_kernel_prologue_equals_xla(name, monkeypatch):
-    """project on the Pallas path at one row (the matvec kernel, the input prepared in its prologue)
-    against the same call on XLA (kernel rows set to 0): equal up to one bf16 ulp."""
+    """project on the Pallas path at one row (the matvec kernel, the input prepared in its prologue,
+    addends in its epilogue) against the same call on XLA (kernel rows set to 0): equal up to one bf16 ulp."""
     args, kwargs = _project_site(name, jax.random.key(len(name)))
     with use_implementation("pallas"):
         assert "pallas_call" in str(jax.make_jaxpr(lambda: project(*args, **kwargs))())
@@ -183,6 +210,12 @@ def test_bad_inputs_are_refused():
         project(DepthMix(jnp.zeros((1, 2, 64)), 0, x, jnp.ones((64,)), jnp.ones((64,)), 1e-6), [w], read_as=jnp.float32)
     with pytest.raises(ValueError, match="at least one"):
         matvecs(x, [])
+    with pytest.raises(ValueError, match="one sequence of addends per weight"):
+        matvecs(x, [w, w], add=[[]])
+    with pytest.raises(ValueError, match=r"addends of output 0 must be \[M, N\]"):
+        matvecs(x, [w], add=[[jnp.zeros((2, 8), jnp.float32)]])
+    with pytest.raises(ValueError, match="add needs exactly one weight"):
+        project(x, [w, w], add=(jnp.zeros((2, 8), jnp.bfloat16),))
     with pytest.raises(ValueError, match="power of two"):
         MatvecBlocks(bn=12)
     with pytest.raises(ValueError, match="bn and bk >= 16"):

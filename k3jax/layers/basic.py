@@ -67,6 +67,9 @@ MATVEC_KERNEL_ROWS = 1
 # issue 4) the shared expert's 768-wide SiTU in the kernel took 10.5 us a call against 15.4 for XLA's
 # act + einsum, the dense MLP's 5632-wide one 14.1-16.4 us against 11.0: wider inputs stay on XLA.
 ACT_PROLOGUE_MAX_WIDTH = 1024
+# Whether ``project``'s kernel path adds its ``add`` arrays in the matvec kernel (else XLA adds after
+# it; a switch for ``benchmarks/decode_variants.py``).
+ADD_IN_KERNEL = True
 
 
 def _matvec_kernel_fits(rows: int, x_dtype, weights: Sequence[Array], dtypes: Sequence) -> bool:
@@ -142,12 +145,13 @@ def _prologue_kwargs(x: "Array | Activated", norm: "RMSNorm | None", read_as, dt
 
 
 def project(x: "Array | DepthMix | Activated", weights: Sequence[Array], dtypes: Sequence | None = None,
-            norm: "RMSNorm | None" = None, *, read_as=None) -> list[Array]:
+            norm: "RMSNorm | None" = None, *, read_as=None, add: Sequence[Array] = ()) -> list[Array]:
     """x [..., D] times each weight [N_i, D]^T, as ``einsum(x.astype(dt), w.astype(dt))`` with dt =
     dtypes[i] (default x's dtype as prepared below; float32 sums): what ``Linear`` computes, or the
     router's float32 logits. x is prepared first, in this order: a Block AttnRes ``DepthMix`` is
     mixed; x (an ``Activated``'s two inputs) rounded to ``read_as``; an ``Activated`` applied;
-    RMS-normed by ``norm``.
+    RMS-normed by ``norm``. ``add`` (with one weight only): arrays [..., N] added to the output in
+    turn, each sum rounded to the output's dtype (a residual, a shared expert's output).
 
     The maps that read one input (a layer's projections) go together so that, on the Pallas path
     for one row (batch-1 decode) off TPU, one kernel computes them all, x's preparation included
@@ -156,6 +160,8 @@ def project(x: "Array | DepthMix | Activated", weights: Sequence[Array], dtypes:
     kernel (``pallas_kernels.depth_mix``)."""
     if isinstance(x, DepthMix) and read_as is not None:
         raise ValueError("project: read_as applies to an array or an Activated, not a DepthMix")
+    if add and len(weights) != 1:
+        raise ValueError(f"project: add needs exactly one weight, got {len(weights)}")
     x_dtype = _input_dtype(x, read_as)
     dtypes = [x_dtype] * len(weights) if dtypes is None else list(dtypes)
     kernel = _matvec_kernel_fits(math.prod(x.shape[:-1]), x_dtype, weights, dtypes) and not (
@@ -167,8 +173,10 @@ def project(x: "Array | DepthMix | Activated", weights: Sequence[Array], dtypes:
 
         lead = x.shape[:-1]
         rows, kwargs = _prologue_kwargs(x, norm, read_as, dtypes)
-        outs = matvecs(rows, list(weights), dtypes, **kwargs)
-        return [y.reshape(*lead, y.shape[-1]) for y in outs]
+        fused = ADD_IN_KERNEL and all(jnp.dtype(a.dtype) == jnp.dtype(dtypes[0]) for a in add)
+        flat_adds = [[a.reshape(rows.shape[0], -1) for a in add]] if fused and add else None
+        outs = [y.reshape(*lead, y.shape[-1]) for y in matvecs(rows, list(weights), dtypes, add=flat_adds, **kwargs)]
+        return [add_rounded(outs[0], add)] if add and not fused else outs
     if read_as is not None:
         x = x.astype(read_as) if not isinstance(x, Activated) else Activated(
             x.act, *(a.astype(read_as) for a in (x.gate, x.up)))
@@ -176,7 +184,15 @@ def project(x: "Array | DepthMix | Activated", weights: Sequence[Array], dtypes:
         x = x.value()
     if norm is not None:
         x = norm(x)
-    return [jnp.einsum("...i,oi->...o", x.astype(dt), w.astype(dt), precision=_HI) for w, dt in zip(weights, dtypes)]
+    outs = [jnp.einsum("...i,oi->...o", x.astype(dt), w.astype(dt), precision=_HI) for w, dt in zip(weights, dtypes)]
+    return [add_rounded(outs[0], add)] if add else outs
+
+
+def add_rounded(y: Array, add: Sequence[Array]) -> Array:
+    """y plus each of ``add`` in turn, each sum rounded to y's dtype."""
+    for a in add:
+        y = (y + a).astype(y.dtype)
+    return y
 
 
 class RMSNorm(nnx.Module):
@@ -200,5 +216,5 @@ class Embed(nnx.Module):
         return jnp.take(self.weight[...], tokens, axis=0)
 
 
-__all__ = ["Rngs", "Keys", "Linear", "RMSNorm", "Embed", "normal", "materialize", "project", "Activated",
-           "ACT_PROLOGUE_MAX_WIDTH", "MATVEC_KERNEL_ROWS"]
+__all__ = ["Rngs", "Keys", "Linear", "RMSNorm", "Embed", "normal", "materialize", "project", "add_rounded", "Activated",
+           "ACT_PROLOGUE_MAX_WIDTH", "ADD_IN_KERNEL", "MATVEC_KERNEL_ROWS"]

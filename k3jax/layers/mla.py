@@ -68,13 +68,14 @@ class MLA(nnx.Module):
         c_kv, k_pe = c[..., : self.cfg.kv_lora_rank], c[..., self.cfg.kv_lora_rank :]
         return self.kv_a_layernorm(c_kv), k_pe
 
-    def output(self, gate: Array | None, o: Array, dtype) -> Array:
-        """Attention output o [B, T, H, V] -> output gate (K3; its logits ``gate``) -> o_proj -> [B, T, D]."""
+    def output(self, gate: Array | None, o: Array, dtype, residual: Array | None = None) -> Array:
+        """Attention output o [B, T, H, V] -> output gate (K3; its logits ``gate``) -> o_proj -> [B, T, D],
+        plus ``residual`` when given (``project``'s epilogue)."""
         B, T = o.shape[:2]
         o = o.reshape(B, T, -1).astype(dtype)
         if gate is not None:
             o = o * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(dtype)
-        return self.o_proj(o)
+        return project(o, [self.o_proj.weight[...]], add=() if residual is None else (residual,))[0]
 
     def _write(self, c: Array, cache: MLACache, pos: Array) -> MLACache:
         """``_write_xla``, or for a decode step (T = 1) on the Pallas path off TPU one kernel
@@ -100,14 +101,15 @@ class MLA(nnx.Module):
                         jnp.zeros((batch, max_len, cfg.qk_rope_head_dim), dtype))
 
     def extend(self, x: Array, cache: MLACache, start: Array, window: int | None = None,
-               norm: RMSNorm | None = None) -> tuple[Array, MLACache]:
+               norm: RMSNorm | None = None, residual: Array | None = None) -> tuple[Array, MLACache]:
         """New tokens x [B, T, D] at positions start[b] + t against the cache, in the absorbed form.
 
         Writes the new latents into the cache (positions past its end are dropped), then attends
         every query to the cached positions at or before its own. Padding after a sequence's last
         token is written too, but only ever seen by later padding: the next real token overwrites it.
         ``window`` (static) reads only the first ``window`` cache positions: every real token's
-        position must be below it (the caller's guarantee); None reads the whole cache.
+        position must be below it (the caller's guarantee); None reads the whole cache. ``residual``
+        [B, T, D], when given, is added to the output.
         """
         cfg = self.cfg
         q_in, c, gate = self.inputs(x, norm)
@@ -119,17 +121,18 @@ class MLA(nnx.Module):
         o = absorbed_attention(q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :], keys.c_kv,
                                keys.k_pe, self.kv_b_proj.weight[...], visible,
                                cfg.qk_head_dim**-0.5)
-        return self.output(gate, o, x.dtype), cache
+        return self.output(gate, o, x.dtype, residual), cache
 
-    def __call__(self, x: Array, norm: RMSNorm | None = None) -> Array:
-        """x [B, T, D] (RMS-normed by ``norm`` first, when given) -> [B, T, D], the expanded form."""
+    def __call__(self, x: Array, norm: RMSNorm | None = None, residual: Array | None = None) -> Array:
+        """x [B, T, D] (RMS-normed by ``norm`` first, when given) -> [B, T, D], the expanded form, plus
+        ``residual`` when given."""
         cfg = self.cfg
         q_in, c, gate = self.inputs(x, norm)
         c_kv, k_pe = self.latent(c)
         k, v = mla_keys_values(c_kv, k_pe, self.kv_b_proj.weight[...].astype(x.dtype), cfg.num_heads,
                                cfg.qk_nope_head_dim)
         o = causal_attention(self.queries(q_in), k, v, cfg.qk_head_dim**-0.5)
-        return self.output(gate, o, x.dtype)
+        return self.output(gate, o, x.dtype, residual)
 
 
 __all__ = ["MLA", "MLACache", "LATENT_NORM_EPS"]

@@ -30,14 +30,16 @@ class DenseMLP(nnx.Module):
         self.up_proj = Linear(dim, width, rngs=rngs, param_dtype=param_dtype)
         self.down_proj = Linear(width, dim, rngs=rngs, param_dtype=param_dtype)
 
-    def __call__(self, x: Array, norm: RMSNorm | None = None) -> Array:
-        """x [..., D] (RMS-normed by ``norm`` first, when given) -> [..., D]."""
-        return self.down(*project(x, [self.gate_proj.weight[...], self.up_proj.weight[...]], norm=norm))
+    def __call__(self, x: Array, norm: RMSNorm | None = None, residual: Array | None = None) -> Array:
+        """x [..., D] (RMS-normed by ``norm`` first, when given) -> [..., D], plus ``residual`` when given."""
+        gate, up = project(x, [self.gate_proj.weight[...], self.up_proj.weight[...]], norm=norm)
+        return self.down(gate, up, () if residual is None else (residual,))
 
-    def down(self, gate: Array, up: Array) -> Array:
+    def down(self, gate: Array, up: Array, add: tuple[Array, ...] = ()) -> Array:
         """The output from the gate and up projections: down_proj(act(gate, up)) through ``project``
-        (on its kernel path, act inside the matvec kernel up to ``ACT_PROLOGUE_MAX_WIDTH``)."""
-        return project(Activated(self.act, gate, up), [self.down_proj.weight[...]])[0]
+        (on its kernel path, act inside the matvec kernel up to ``ACT_PROLOGUE_MAX_WIDTH``), plus
+        ``add`` (project's epilogue)."""
+        return project(Activated(self.act, gate, up), [self.down_proj.weight[...]], add=add)[0]
 
 
 __all__ = ["DenseMLP", "activation"]

@@ -14,7 +14,7 @@ from flax import nnx
 from k3jax.config import MoEConfig
 from k3jax.functional.moe import Activation, grouped_matmul, moe_dense, moe_sorted, select_experts
 from k3jax.implementation import get_implementation, triton_kernels
-from k3jax.layers.basic import Linear, RMSNorm, Rngs, materialize, normal, project
+from k3jax.layers.basic import Linear, RMSNorm, Rngs, add_rounded, materialize, normal, project
 from k3jax.layers.mlp import DenseMLP
 from k3jax.mx import MXTensor, quantize_compiled
 from k3jax.sharding import expert_mesh, moe_expert_parallel
@@ -125,8 +125,10 @@ class MoE(nnx.Module):
             return logits, rest[0], rest[1:]
         return logits, flat, rest
 
-    def __call__(self, x: Array, norm: RMSNorm | None = None) -> Array:
-        """x [B, T, D] (RMS-normed by ``norm`` first, when given) -> [B, T, D]."""
+    def __call__(self, x: Array, norm: RMSNorm | None = None, residual: Array | None = None) -> Array:
+        """x [B, T, D] (RMS-normed by ``norm`` first, when given) -> [B, T, D], plus ``residual`` when
+        given: routed + shared + residual, each sum rounded (with a latent, added by the up projection's
+        kernel on its kernel path: ``project``'s ``add``)."""
         B, T, D = x.shape
         logits, z, shared = self._inputs(x.reshape(B * T, D), norm)
         weights, experts = self._select(logits)
@@ -145,11 +147,13 @@ class MoE(nnx.Module):
         else:
             w1, w3, w2 = (_dense(w, z.dtype) for w in (w1, w3, w2))
             y = moe_dense(z, w1, w3, w2, weights, experts, self.act)
+        add = [self.shared_experts.down(*shared)] if self.cfg.num_shared_experts else []
+        add += [] if residual is None else [residual.reshape(B * T, D)]
         if self.cfg.latent_size:
             norm = self.routed_expert_norm if self.cfg.latent_norm else None
-            y = project(y, [self.routed_expert_up_proj.weight[...]], norm=norm, read_as=z.dtype)[0]
-        if self.cfg.num_shared_experts:
-            y = y + self.shared_experts.down(*shared)
+            y = project(y, [self.routed_expert_up_proj.weight[...]], norm=norm, read_as=z.dtype, add=add)[0]
+        else:
+            y = add_rounded(y, add)
         return y.reshape(B, T, D)
 
 
