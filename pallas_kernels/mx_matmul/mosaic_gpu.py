@@ -67,28 +67,16 @@ _F32, _BF16 = jnp.float32, jnp.bfloat16
 class MosaicBlocks:
     """bk: contracted elements per step (128 or 256: one or two scale blocks per thread and row);
     stages: steps whose tiles are in flight; out_mn: the kernel writes out [M, N] itself (each thread
-    stores its accumulator values transposed into a shared [Mp, rows] tile, TMA copies its first M
-    rows), so no XLA slice and transpose follow it (measured faster at M = 1 only, README);
-    row_tiles: 64-row tiles per warpgroup, each decoded into its own A operand and multiplied by the
-    same x tile into its own accumulator (one ``wgmma_wait`` per step for all); warpgroups: warpgroups
-    per program, each over its own row_tiles x 64 rows, all reading the one x tile of a step."""
+    stores its accumulator values transposed into a shared [Mp, 64] tile, TMA copies its first M
+    rows), so no XLA slice and transpose follow it (measured faster at M = 1 only, README)."""
 
     bk: int = 256
     stages: int = 2
     out_mn: bool = False
-    row_tiles: int = 1
-    warpgroups: int = 1
 
     def __post_init__(self):
         if self.bk not in (128, 256) or self.stages < 1:
             raise ValueError(f"bk must be 128 or 256 and stages >= 1, got {self}")
-        if self.row_tiles < 1 or self.warpgroups not in (1, 2) or self.rows > _TMA_MAX_BOX:
-            raise ValueError(f"row_tiles >= 1, warpgroups 1 or 2, at most {_TMA_MAX_BOX} rows, got {self}")
-
-    @property
-    def rows(self) -> int:
-        """Weight rows per program."""
-        return ROWS * self.row_tiles * self.warpgroups
 
 
 def _slot_sources(p, bk: int):
@@ -284,89 +272,46 @@ def _store_transposed():
     return store
 
 
-def _release_barrier(warpgroups: int):
-    """Inline Mosaic GPU function (ctx): a barrier of the warpgroup's threads (of the whole block with
-    two warpgroups), no memory fence: the slot's tiles were only read (its codes by the threads' loads,
-    its x tile by the finished wgmmas)."""
+def _warpgroup_barrier():
+    """Inline Mosaic GPU function (ctx): a barrier of the warpgroup's threads, no memory fence: the
+    slot's tiles were only read (its codes by this thread's loads, its x tile by the finished wgmma)."""
     import jax.experimental.mosaic.gpu as mgpu
-    from jax._src.lib.mlir.dialects import gpu
 
     @plgpu.inline_mgpu()
     def barrier(ctx):
         del ctx
-        if warpgroups == 1:
-            mgpu.utils.warpgroup_barrier()
-        else:
-            gpu.barrier()
+        mgpu.utils.warpgroup_barrier()
 
     return barrier
 
 
-def _keep_alive(n_arrays: int):
-    """Inline Mosaic GPU function (ctx, *arrays in the WGMMA layout): an empty asm with side effects
-    that reads every register of the arrays, so the decoded A operands of a step's wgmmas stay alive
-    (their registers not reused by a later tile's decode) until after the ``wgmma_wait`` before it."""
-    import jax.experimental.mosaic.gpu as mgpu
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import llvm
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,) * n_arrays)
-    def keep(ctx, *arrays):
-        del ctx
-        i32 = ir.IntegerType.get_signless(32)
-        regs = [mgpu.utils.bitcast(r, i32) for a in arrays for r in a.registers.flat]
-        llvm.inline_asm(ir.Type.parse("!llvm.void"), regs, "", ",".join(["r"] * len(regs)), has_side_effects=True)
-
-    return keep
-
-
-def _kernel(codes_g, scales_g, x_g, out_g, codes_s, scales_s, x_s, out_s, bars, scale_bar, *consumed,
+def _kernel(codes_g, scales_g, x_g, out_g, codes_s, scales_s, x_s, out_s, bars, scale_bar, *,
             n_steps: int, m: int, blocks: MosaicBlocks, interpret: bool):
-    """One program: ``blocks.rows`` weight rows, ``blocks.warpgroups`` warpgroups of ``blocks.row_tiles``
-    64-row tiles each. consumed: in interpret mode with two warpgroups, a barrier per slot that both
-    arrive on and wait for before its refill (the interpreter's stand-in for the block barrier)."""
-    bk, stages, n_tiles, wgs = blocks.bk, blocks.stages, blocks.row_tiles, blocks.warpgroups
-    row0 = jax.lax.axis_index("rows") * blocks.rows
-    wg = jax.lax.axis_index("wg") if wgs > 1 else 0
-    wg_rows = n_tiles * ROWS
+    """One program: 64 weight rows, one warpgroup."""
+    bk, stages = blocks.bk, blocks.stages
+    row0 = jax.lax.axis_index("rows") * ROWS
     n_scale_cols = scales_s.shape[1]
 
-    def tile_rows(t):
-        """The rows of this warpgroup's tile t within the program's."""
-        return pl.ds(wg * wg_rows + t * ROWS, ROWS)
-
     def fetch(step, slot):
-        plgpu.copy_gmem_to_smem(codes_g.at[pl.ds(row0, blocks.rows), pl.ds(step * (bk // 2), bk // 2)],
+        plgpu.copy_gmem_to_smem(codes_g.at[pl.ds(row0, ROWS), pl.ds(step * (bk // 2), bk // 2)],
                                 codes_s.at[slot], bars.at[slot])
         plgpu.copy_gmem_to_smem(x_g.at[:, pl.ds(step * bk, bk)], x_s.at[slot], bars.at[slot])
 
-    def by_leader(fn):
-        """fn run by warpgroup 0 only (it issues every TMA copy into the shared tiles)."""
-        if wgs == 1:
-            fn()
-        else:
-            pl.when(wg == 0)(fn)
-
-    def prologue():
-        for start in range(0, n_scale_cols, _TMA_MAX_BOX):
-            cols = pl.ds(start, min(_TMA_MAX_BOX, n_scale_cols - start))
-            plgpu.copy_gmem_to_smem(scales_g.at[pl.ds(row0, blocks.rows), cols], scales_s.at[:, cols],
-                                    scale_bar.at[0])
-        for step in range(min(stages, n_steps)):
-            fetch(step, step)
-
-    by_leader(prologue)
+    for start in range(0, n_scale_cols, _TMA_MAX_BOX):
+        cols = pl.ds(start, min(_TMA_MAX_BOX, n_scale_cols - start))
+        plgpu.copy_gmem_to_smem(scales_g.at[pl.ds(row0, ROWS), cols], scales_s.at[:, cols], scale_bar.at[0])
+    for step in range(min(stages, n_steps)):
+        fetch(step, step)
     plgpu.barrier_wait(scale_bar.at[0])
     decode = None if interpret else _decode_registers(bk)
-    barrier = None if interpret else _release_barrier(wgs)
-    keep_alive = None if interpret or n_tiles == 1 else _keep_alive(n_tiles)
+    barrier = None if interpret else _warpgroup_barrier()
 
-    def decoded(step, slot, t):
-        """Tile t's A operand [64, bk] of the step (its slot already waited for)."""
-        codes, scales = codes_s.at[slot, tile_rows(t)], scales_s.at[tile_rows(t), pl.ds(step * (bk // BLOCK), bk // BLOCK)]
+    def tiles(step, slot):
+        scales = scales_s.at[:, pl.ds(step * (bk // BLOCK), bk // BLOCK)]
+        plgpu.barrier_wait(bars.at[slot])
         if interpret:
-            return _decode_emulated(codes[...], scales[...], bk)
-        return decode(codes, scales)
+            return _decode_emulated(codes_s[slot], scales[...], bk), x_s[slot]
+        return decode(codes_s.at[slot], scales), None
 
     def release(step, slot):
         """The step's tiles are read: once every thread is past its reads, refill the slot with step + stages."""
@@ -374,58 +319,42 @@ def _kernel(codes_g, scales_g, x_g, out_g, codes_s, scales_s, x_s, out_s, bars, 
         def _():
             if not interpret:
                 barrier()
-            elif consumed:
-                plgpu.barrier_arrive(consumed[0].at[slot])
-                plgpu.barrier_wait(consumed[0].at[slot])
-            by_leader(lambda: fetch(step + stages, slot))
+            fetch(step + stages, slot)
 
-    acc_shape = (ROWS, x_s.shape[1])
     if interpret:
-        def step_fn(step, accs):
+        def step_fn(step, acc):
             slot = jax.lax.rem(step, stages)
-            plgpu.barrier_wait(bars.at[slot])
-            x = x_s[slot]
-            accs = tuple(acc + jnp.dot(decoded(step, slot, t), x.T, preferred_element_type=_F32)
-                         for t, acc in enumerate(accs))
+            w, x = tiles(step, slot)
+            acc = acc + jnp.dot(w, x.T, preferred_element_type=_F32)
             release(step, slot)
-            return accs
+            return acc
 
-        accs = jax.lax.fori_loop(0, n_steps, step_fn, (jnp.zeros(acc_shape, _F32),) * n_tiles)
+        acc = jax.lax.fori_loop(0, n_steps, step_fn, jnp.zeros((ROWS, x_s.shape[1]), _F32))
     else:
-        def accumulate(*acc_refs):
+        def accumulate(acc_ref):
             def step_fn(step, _):
                 slot = jax.lax.rem(step, stages)
-                plgpu.barrier_wait(bars.at[slot])
-                x = plgpu.transpose_ref(x_s.at[slot], (1, 0))
-                ws = []
-                for t, acc_ref in enumerate(acc_refs):  # tile t's wgmma runs while tile t + 1 decodes
-                    ws.append(decoded(step, slot, t))
-                    plgpu.wgmma(acc_ref, ws[-1], x)
+                w, _ = tiles(step, slot)
+                plgpu.wgmma(acc_ref, w, plgpu.transpose_ref(x_s.at[slot], (1, 0)))
                 plgpu.wgmma_wait(0)  # the A registers are rewritten by the next step's decode
-                if keep_alive is not None:
-                    keep_alive(*ws)
                 release(step, slot)
                 return ()
 
             jax.lax.fori_loop(0, n_steps, step_fn, ())
-            return tuple(acc_ref[...] for acc_ref in acc_refs)
+            return acc_ref[...]
 
-        accs = pl.run_scoped(accumulate, *[plgpu.ACC(acc_shape, _F32)] * n_tiles)
-    own = pl.ds(wg * wg_rows, wg_rows)  # this warpgroup's rows within the program's
-    if blocks.out_mn:  # out_s [Mp, rows]
-        for t, acc in enumerate(accs):
-            tile = out_s.at[:, tile_rows(t)]
-            if interpret:
-                tile[...] = acc.T.astype(out_s.dtype)
-            else:
-                _store_transposed()(acc.astype(out_s.dtype), tile)
+        acc = pl.run_scoped(accumulate, plgpu.ACC((ROWS, x_s.shape[1]), _F32))
+    if blocks.out_mn:  # out_s [Mp, 64]
+        if interpret:
+            out_s[...] = acc.T.astype(out_s.dtype)
+        else:
+            _store_transposed()(acc.astype(out_s.dtype), out_s)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_s.at[pl.ds(0, m), own], out_g.at[:, pl.ds(row0 + wg * wg_rows, wg_rows)])
-    else:  # out_s [rows, Mp]
-        for t, acc in enumerate(accs):
-            out_s[tile_rows(t)] = acc.astype(out_s.dtype)
+        plgpu.copy_smem_to_gmem(out_s.at[pl.ds(0, m)], out_g.at[:, pl.ds(row0, ROWS)])
+    else:  # out_s [64, Mp]
+        out_s[...] = acc.astype(out_s.dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_s.at[own], out_g.at[pl.ds(row0 + wg * wg_rows, wg_rows)])
+        plgpu.copy_smem_to_gmem(out_s, out_g.at[pl.ds(row0, ROWS)])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -448,14 +377,14 @@ def mx_matmul_mosaic(x: Array, codes: Array, scales: Array, *, blocks: MosaicBlo
     [M, N] (float32 accumulation, rounded once; the kernel writes [N, Mp], transposed outside, or
     with ``out_mn`` [M, N] itself).
 
-    Pads N to ``blocks.rows``, K to bk and the scale columns to 16 bytes (no copy at N % rows == 0,
+    Pads N to 64 rows, K to bk and the scale columns to 16 bytes (no copy at N % 64 == 0,
     K % bk == 0, K % 512 == 0), pads x to Mp rows and permutes its columns within each bk tile
     (``k_permutation``). ``interpret``: False on the GPU, or ``interpret_params()`` on a CPU.
     """
     m, k = x.shape
     n = codes.shape[0]
-    bk, stages, rows = blocks.bk, blocks.stages, blocks.rows
-    mp, np_, kp = rows_padded(m), _round_up(n, rows), _round_up(k, bk)
+    bk, stages = blocks.bk, blocks.stages
+    mp, np_, kp = rows_padded(m), _round_up(n, ROWS), _round_up(k, bk)
     if mp > 64:
         raise ValueError(f"mx_matmul_mosaic takes at most 64 rows of x, got {m}")
     n_scale_cols = _round_up(kp // BLOCK, _SCALE_COLUMN_ALIGN)
@@ -464,25 +393,19 @@ def mx_matmul_mosaic(x: Array, codes: Array, scales: Array, *, blocks: MosaicBlo
     columns = (np.arange(kp) // bk) * bk + np.tile(k_permutation(bk), kp // bk)
     x_in = _pad2(x.astype(_BF16), mp, kp, 0)[:, columns]
     scratch = [
-        plgpu.SMEM((stages, rows, bk // 2), jnp.uint8),
-        plgpu.SMEM((rows, n_scale_cols), jnp.uint8),
+        plgpu.SMEM((stages, ROWS, bk // 2), jnp.uint8),
+        plgpu.SMEM((ROWS, n_scale_cols), jnp.uint8),
         plgpu.SMEM((stages, mp, bk), _BF16, transforms=_x_tile_transforms()),
-        plgpu.SMEM((mp, rows) if blocks.out_mn else (rows, mp), out_dtype),
+        plgpu.SMEM((mp, ROWS) if blocks.out_mn else (ROWS, mp), out_dtype),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         plgpu.Barrier(num_arrivals=-(-n_scale_cols // _TMA_MAX_BOX), num_barriers=1),
     ]
-    threads = {}
-    if blocks.warpgroups > 1:
-        threads = dict(num_threads=blocks.warpgroups, thread_name="wg")
-        if interpret:
-            scratch.append(plgpu.Barrier(num_arrivals=blocks.warpgroups, num_barriers=stages))
     kernel = functools.partial(_kernel, n_steps=kp // bk, m=m, blocks=blocks, interpret=bool(interpret))
     out = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((m, np_) if blocks.out_mn else (np_, mp), out_dtype),
-        scratch_types=scratch, grid=(np_ // rows,), grid_names=("rows",),
+        scratch_types=scratch, grid=(np_ // ROWS,), grid_names=("rows",),
         compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=True), interpret=interpret or None,
-        **threads,
     )(codes, scales, x_in)
     return out[:, :n] if blocks.out_mn else out[:n, :m].T
 
