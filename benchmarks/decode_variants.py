@@ -15,7 +15,9 @@ Each switch turns one change off (module attributes read while a step is traced)
 - activation by XLA: ``k3jax.layers.basic.ACT_PROLOGUE_MAX_WIDTH`` 0 (the shared experts' act(gate, up) is
   an XLA op before their down projection, not the matvec kernel's prologue);
 - adds by XLA: ``k3jax.layers.basic.ADD_IN_KERNEL`` False (the residual and shared-expert adds after a
-  projection are XLA ops, not the matvec kernel's epilogue).
+  projection are XLA ops, not the matvec kernel's epilogue);
+- MLA attention by XLA: ``k3jax.functional.mla.ATTENTION_KERNEL`` False (the decode attention core, scores
+  to o_lat, as XLA's ops, not ``pallas_kernels.mla_attention``).
 Variants: the default, each switch alone, all the changes off. Also prints each variant's first logits
 against the default's (with random bf16 weights the model amplifies float32 summation order).
 """
@@ -30,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import k3jax.functional.mla as functional_mla
 import k3jax.layers.kda as kda
 import k3jax.model as model_module
 from k3jax import Generator, K3Model, preset, use_implementation
@@ -46,6 +49,7 @@ OFF = {  # a change's name -> (owner, attribute, value with the change off)
     "latents by XLA": (MLA, "_write", MLA._write_xla),
     "activation by XLA": (basic, "ACT_PROLOGUE_MAX_WIDTH", 0),
     "adds by XLA": (basic, "ADD_IN_KERNEL", False),
+    "MLA attention by XLA": (functional_mla, "ATTENTION_KERNEL", False),
 }
 ORIGINAL = {name: getattr(owner, attribute) for name, (owner, attribute, _) in OFF.items()}
 VARIANTS = {"default": (), **{name: (name,) for name in OFF}, "all off": tuple(OFF)}
