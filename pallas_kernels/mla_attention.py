@@ -72,6 +72,9 @@ class AttentionBlocks:
             raise ValueError(f"AttentionBlocks.splits = {self.splits}: must be >= 1")
 
 
+DEFAULT_BLOCKS = AttentionBlocks()  # read at each call: a benchmark may set other blocks before tracing
+
+
 def auto_splits(programs: int, window: int) -> int:
     """Splits per (sequence, query token) for ``programs`` of them over ``window`` cache positions:
     enough programs to fill the GPU (TARGET_PROGRAMS), each split at least MIN_SPLIT positions."""
@@ -190,18 +193,20 @@ def check_inputs(q_lat: Array, q_pe: Array, c_kv: Array, k_pe: Array, pos: Array
 
 
 def decode_latent_attention(q_lat: Array, q_pe: Array, c_kv: Array, k_pe: Array, pos: Array, scale: float, *,
-                            window: int | None = None, blocks: AttentionBlocks = AttentionBlocks(),
+                            window: int | None = None, blocks: AttentionBlocks | None = None,
                             interpret: bool | None = None) -> Array:
     """q_lat [B, T, H, R] (q_nope W_UK), q_pe [B, T, H, P], the latent cache c_kv [B, S, R] (after
     kv_a_layernorm) and k_pe [B, S, P] (bf16 or float32), pos [B, T] (cache positions <= pos[b, t]
     are visible to query t), of which only the first ``window`` (static, default S) are read ->
     o_lat [B, T, H, R] float32: ``k3jax.functional.mla.latent_attention`` over the first ``window``
-    positions. For few query tokens: each token's program walks the cache on its own."""
+    positions. For few query tokens: each token's program walks the cache on its own. ``blocks``:
+    None for DEFAULT_BLOCKS."""
     check_inputs(q_lat, q_pe, c_kv, k_pe, pos, window)
     interpret = pallas_interpret() if interpret is None else interpret
     window = c_kv.shape[1] if window is None else int(window)
-    return _attention(q_lat, q_pe, c_kv, k_pe, pos, scale=float(scale), window=window, blocks=blocks,
-                      interpret=interpret)
+    return _attention(q_lat, q_pe, c_kv, k_pe, pos, scale=float(scale), window=window,
+                      blocks=DEFAULT_BLOCKS if blocks is None else blocks, interpret=interpret)
 
 
-__all__ = ["AttentionBlocks", "auto_splits", "check_inputs", "combine_splits", "decode_latent_attention"]
+__all__ = ["AttentionBlocks", "DEFAULT_BLOCKS", "auto_splits", "check_inputs", "combine_splits",
+           "decode_latent_attention"]
