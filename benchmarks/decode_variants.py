@@ -1,12 +1,15 @@
 """Batch-1 decode step of a preset on the Pallas path with and without each of the latest step changes,
 in one process: every variant's step is traced and compiled first, then the variants are timed
-round-robin (three rounds of 20 steps, best round), so lease-to-lease drift does not enter the comparison.
+round-robin (five rounds of 20 steps, best round), so lease-to-lease drift does not enter the comparison.
 
     python3 benchmarks/decode_variants.py [preset [variant ...]]   (default mini and every variant; tiny runs
                                                                     on a CPU)
 
 Each switch turns one change off (module attributes read while a step is traced):
 - short convs by XLA: ``k3jax.layers.kda._short_convs`` set to its XLA form (not ``pallas_kernels.short_conv``);
+- f_b and norm by XLA: ``k3jax.layers.kda.DECODE_F_B_IN_KERNEL`` False (KDA's z = f_b_proj(f_a) an XLA einsum
+  before the decode kernel and the gated output norm an XLA fusion after it, not inside the kernel);
+- norm by XLA: ``k3jax.layers.kda.DECODE_NORM_IN_KERNEL`` False (z inside the decode kernel, the norm by XLA);
 - block store by select: ``k3jax.model._store_block`` given a traced commit even where the layer index is known;
 - latents by XLA: ``MLA._write`` set to ``MLA._write_xla`` (not ``pallas_kernels.latent_cache``);
 - activation by XLA: ``k3jax.layers.basic.ACT_PROLOGUE_MAX_WIDTH`` 0 (the shared experts' act(gate, up) is
@@ -39,6 +42,8 @@ from k3jax.layers.mla import MLA
 _store = model_module._store_block
 OFF = {  # a change's name -> (owner, attribute, value with the change off)
     "short convs by XLA": (kda, "_short_convs", kda._short_convs_xla),
+    "f_b and norm by XLA": (kda, "DECODE_F_B_IN_KERNEL", False),
+    "norm by XLA": (kda, "DECODE_NORM_IN_KERNEL", False),
     "block store by select": (model_module, "_store_block",
                               lambda blocks, n, partial, commit: _store(blocks, n, partial, jnp.asarray(commit))),
     "latents by XLA": (MLA, "_write", MLA._write_xla),
@@ -81,7 +86,7 @@ def main() -> None:
             err = float(jnp.linalg.norm(logits - first) / jnp.linalg.norm(first))
             print(f"{name}: first logits rel err vs default {err:.2e}")
         times = {name: [] for name in names}
-        for _ in range(3):
+        for _ in range(5):
             for name, run in runs.items():
                 gen, token, cache, _ = run
                 start = time.perf_counter()

@@ -69,8 +69,7 @@ class DecoderLayer(nnx.Module):
         with jax.named_scope("kda" if kda else "mla"):  # names the kernels in profiles
             norm = self.input_layernorm
             if kda:
-                a, cache = self.self_attn(h, cache, None if ctx is None else ctx.valid, norm=norm)
-                return (a if residual is None else a + residual), cache
+                return self.self_attn(h, cache, None if ctx is None else ctx.valid, norm=norm, residual=residual)
             if ctx is None:
                 return self.self_attn(h, norm=norm, residual=residual), None
             return self.self_attn.extend(h, cache, ctx.start, ctx.window, norm=norm, residual=residual)
