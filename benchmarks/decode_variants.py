@@ -7,17 +7,12 @@ round-robin (five rounds of 20 steps, best round), so lease-to-lease drift does 
 
 Each switch turns one change off (module attributes read while a step is traced):
 - short convs by XLA: ``k3jax.layers.kda._short_convs`` set to its XLA form (not ``pallas_kernels.short_conv``);
-- f_b and norm by XLA: ``k3jax.layers.kda.DECODE_F_B_IN_KERNEL`` False (KDA's z = f_b_proj(f_a) an XLA einsum
-  before the decode kernel and the gated output norm an XLA fusion after it, not inside the kernel);
-- norm by XLA: ``k3jax.layers.kda.DECODE_NORM_IN_KERNEL`` False (z inside the decode kernel, the norm by XLA);
 - block store by select: ``k3jax.model._store_block`` given a traced commit even where the layer index is known;
 - latents by XLA: ``MLA._write`` set to ``MLA._write_xla`` (not ``pallas_kernels.latent_cache``);
 - activation by XLA: ``k3jax.layers.basic.ACT_PROLOGUE_MAX_WIDTH`` 0 (the shared experts' act(gate, up) is
   an XLA op before their down projection, not the matvec kernel's prologue);
 - adds by XLA: ``k3jax.layers.basic.ADD_IN_KERNEL`` False (the residual and shared-expert adds after a
-  projection are XLA ops, not the matvec kernel's epilogue);
-- MLA attention by XLA: ``k3jax.functional.mla.ATTENTION_KERNEL`` False (the decode attention core, scores
-  to o_lat, as XLA's ops, not ``pallas_kernels.mla_attention``).
+  projection are XLA ops, not the matvec kernel's epilogue).
 Variants: the default, each switch alone, all the changes off. Also prints each variant's first logits
 against the default's (with random bf16 weights the model amplifies float32 summation order).
 """
@@ -32,7 +27,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import k3jax.functional.mla as functional_mla
 import k3jax.layers.kda as kda
 import k3jax.model as model_module
 from k3jax import Generator, K3Model, preset, use_implementation
@@ -42,14 +36,11 @@ from k3jax.layers.mla import MLA
 _store = model_module._store_block
 OFF = {  # a change's name -> (owner, attribute, value with the change off)
     "short convs by XLA": (kda, "_short_convs", kda._short_convs_xla),
-    "f_b and norm by XLA": (kda, "DECODE_F_B_IN_KERNEL", False),
-    "norm by XLA": (kda, "DECODE_NORM_IN_KERNEL", False),
     "block store by select": (model_module, "_store_block",
                               lambda blocks, n, partial, commit: _store(blocks, n, partial, jnp.asarray(commit))),
     "latents by XLA": (MLA, "_write", MLA._write_xla),
     "activation by XLA": (basic, "ACT_PROLOGUE_MAX_WIDTH", 0),
     "adds by XLA": (basic, "ADD_IN_KERNEL", False),
-    "MLA attention by XLA": (functional_mla, "ATTENTION_KERNEL", False),
 }
 ORIGINAL = {name: getattr(owner, attribute) for name, (owner, attribute, _) in OFF.items()}
 VARIANTS = {"default": (), **{name: (name,) for name in OFF}, "all off": tuple(OFF)}

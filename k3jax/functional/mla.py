@@ -5,12 +5,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from k3jax.implementation import triton_kernels
 from k3jax.typing import Array
 
 _HI = jax.lax.Precision.HIGHEST
-ATTENTION_KERNEL = True  # absorbed_attention's core as one Pallas kernel at decode (off: XLA's ops; for A/Bs)
-ATTENTION_KERNEL_MAX_TOKENS = 2  # query tokens per sequence up to which the kernel runs (prefill chunks: XLA)
 
 
 def _matmul(spec: str, a: Array, b: Array, dtype) -> Array:
@@ -49,47 +46,27 @@ def mla_keys_values(c_kv_normed: Array, k_pe: Array, kv_b: Array, num_heads: int
     return jnp.concatenate([k_nope, k_pe.astype(k_nope.dtype)], axis=-1), v
 
 
-def latent_attention(q_lat: Array, q_pe: Array, c_kv: Array, k_pe: Array, pos: Array, scale: float) -> Array:
-    """The absorbed attention's core: q_lat [B, T, H, R], q_pe [B, T, H, P], the cache c_kv [B, S, R]
-    and k_pe [B, S, P], pos [B, T] (cache positions <= pos[b, t] are visible to query t) ->
-    o_lat = softmax(scale * (q_lat . c_kv + q_pe . k_pe)) c_kv [B, T, H, R] float32. Matmul operands
-    are rounded to the cache's dtype, scores, softmax and accumulation are float32."""
-    dtype = c_kv.dtype
-    visible = jnp.arange(c_kv.shape[1])[None, None, :] <= pos[:, :, None]  # [B, T, S]
-    scores = _matmul("bthr,bsr->bhts", q_lat, c_kv, dtype) + _matmul("bthp,bsp->bhts", q_pe, k_pe, dtype)
-    probs = jax.nn.softmax(jnp.where(visible[:, None], scores * scale, -jnp.inf), axis=-1)
-    return _matmul("bhts,bsr->bthr", probs, c_kv, dtype)
-
-
 def absorbed_attention(
-    q_nope: Array, q_pe: Array, c_kv: Array, k_pe: Array, kv_b: Array, pos: Array, scale: float,
-    window: int | None = None,
+    q_nope: Array, q_pe: Array, c_kv: Array, k_pe: Array, kv_b: Array, visible: Array, scale: float
 ) -> Array:
     """MLA over the latent cache with kv_b absorbed into the query and the output.
 
     q_nope [B, T, H, N], q_pe [B, T, H, P]; the cache c_kv [B, S, R] (after kv_a_layernorm) and
-    k_pe [B, S, P]; kv_b [H*(N+V), R]; pos [B, T] (cache positions <= pos[b, t] are visible to query
-    t); only the first ``window`` (static; None: all S) cache positions are read. With W_UK, W_UV the
-    key and value rows of kv_b per head: q_lat = q_nope W_UK [B, T, H, R]; the core
-    (``latent_attention``): scores = q_lat . c_kv + q_pe . k_pe, o_lat = p c_kv; o = o_lat W_UV.
-    Equals the expanded form exactly in exact arithmetic. Matmul operands are rounded to the cache's
-    dtype (bf16 caches run on the matrix units), scores, softmax and accumulation are float32. On
-    the Pallas path off TPU, for at most ATTENTION_KERNEL_MAX_TOKENS query tokens (decode) and with
-    ATTENTION_KERNEL set (read while tracing), the core is one kernel
-    (``pallas_kernels.mla_attention``). Returns [B, T, H, V] f32.
+    k_pe [B, S, P]; kv_b [H*(N+V), R]; visible [B, T, S] bool. With W_UK, W_UV the key and value rows
+    of kv_b per head: q_lat = q_nope W_UK [B, T, H, R]; scores = q_lat . c_kv + q_pe . k_pe;
+    o = (p c_kv) W_UV. Equals the expanded form exactly in exact arithmetic. Matmul operands are
+    rounded to the cache's dtype (bf16 caches run on the matrix units), scores, softmax and
+    accumulation are float32. Returns [B, T, H, V] f32.
     """
     H, N = q_nope.shape[2], q_nope.shape[3]
     dtype = c_kv.dtype
     w = kv_b.reshape(H, -1, kv_b.shape[-1])  # [H, N+V, R]
     w_uk, w_uv = w[:, :N], w[:, N:]
     q_lat = _matmul("bthn,hnr->bthr", q_nope, w_uk, dtype)
-    if ATTENTION_KERNEL and q_nope.shape[1] <= ATTENTION_KERNEL_MAX_TOKENS and triton_kernels():
-        from pallas_kernels.mla_attention import decode_latent_attention
-
-        o_lat = decode_latent_attention(q_lat.astype(dtype), q_pe, c_kv, k_pe, pos, scale, window=window)
-    else:
-        o_lat = latent_attention(q_lat, q_pe, c_kv[:, :window], k_pe[:, :window], pos, scale)  # [:None]: all
+    scores = _matmul("bthr,bsr->bhts", q_lat, c_kv, dtype) + _matmul("bthp,bsp->bhts", q_pe, k_pe, dtype)
+    probs = jax.nn.softmax(jnp.where(visible[:, None], scores * scale, -jnp.inf), axis=-1)
+    o_lat = _matmul("bhts,bsr->bthr", probs, c_kv, dtype)
     return _matmul("bthr,hvr->bthv", o_lat, w_uv, dtype)
 
 
-__all__ = ["causal_attention", "mla_keys_values", "latent_attention", "absorbed_attention"]
+__all__ = ["causal_attention", "mla_keys_values", "absorbed_attention"]

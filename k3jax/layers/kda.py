@@ -55,26 +55,6 @@ def _kda_core_fused(q, k, v, z, a_log, dt_bias, beta_logits, state, lower_bound:
     return kernels.chunk_kda_fused(q, k, v, z, a_log, dt_bias, beta_logits, lower_bound, state)
 
 
-# A decode step (T = 1, no padding) on the Pallas path off TPU forms z = f_b_proj(f_a) inside the Triton
-# decode kernel, and the gated output norm in its epilogue; module attributes read while tracing
-# (benchmarks/decode_variants.py turns them off).
-DECODE_F_B_IN_KERNEL = True
-DECODE_NORM_IN_KERNEL = True
-
-
-def _kda_decode_kernel(q, k, v, low_rank_z, a_log, dt_bias, beta_logits, state, lower_bound: float, norm):
-    """One token through the fused decode kernel: q, k, v [B, 1, H, *], beta_logits [B, 1, H];
-    low_rank_z the pair (f_a [B, R], f_b weight [H * K, R]); norm None, or the output norm's (gate
-    [B, H, V], weight [V], eps, dtype) (``GatedNorm``). Returns (o [B, 1, H, V]: float32, or normed in
-    that dtype; state)."""
-    from pallas_kernels import kda as kernels
-    from pallas_kernels.kda.ops import GatedNorm
-
-    o, state = kernels.step_kda_fused(q[:, 0], k[:, 0], v[:, 0], low_rank_z, a_log, dt_bias, beta_logits[:, 0],
-                                      state, lower_bound, norm=None if norm is None else GatedNorm(*norm))
-    return o[:, None], state
-
-
 def _short_convs_xla(xs, taps, state, lengths):
     """silu of the causal short convs of q, k, v [B, T, F] (one conv over their channels side by side,
     ``causal_conv``) and the new conv state."""
@@ -148,26 +128,17 @@ class KDA(nnx.Module):
         taps = [c.weight[...][:, 0] for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)]
         *qkv, conv = _short_convs((q, k, v), taps, state.conv, lengths)
         q, k, v = (heads(a) for a in qkv)
+        z = heads(self.f_b_proj(f_a))
         a_log, dt_bias = self.A_log[...], self.dt_bias[...].reshape(H, K)
-        gate = heads(gate if hasattr(self, "g_proj") else self.g_b_proj(gate))
-        norm_weight = self.o_norm.weight[...]
-        out_norm = None
-        if T == 1 and valid is None and self.lower_bound is not None and triton_kernels() and DECODE_F_B_IN_KERNEL:
-            f_b = self.f_b_proj.weight[...].astype(f_a.dtype)  # as Linear casts it
-            out_norm = (gate[:, 0], norm_weight, self.eps, x.dtype) if DECODE_NORM_IN_KERNEL else None
-            o, rec = _kda_decode_kernel(q, k, v, (f_a[:, 0], f_b), a_log, dt_bias, beta_logits, state.recurrent,
-                                        self.lower_bound, out_norm)
-        elif self.lower_bound is not None and get_implementation() == "pallas":
-            z = heads(self.f_b_proj(f_a))
+        if self.lower_bound is not None and get_implementation() == "pallas":
             if valid is not None:  # padding neither decays nor writes the state: g = 0, beta = 0
                 z = jnp.where(valid[:, :, None, None], z, -jnp.inf)
                 beta_logits = jnp.where(valid[:, :, None], beta_logits, -jnp.inf)
             o, rec = _kda_core_fused(q, k, v, z, a_log, dt_bias, beta_logits, state.recurrent, self.lower_bound)
         else:
-            z = heads(self.f_b_proj(f_a))
             o, rec = self._gates_then_core(q, k, v, z, a_log, dt_bias, beta_logits, state.recurrent, valid)
-        if out_norm is None:
-            o = gated_rms_norm(o, gate, norm_weight, self.eps).astype(x.dtype)
+        gate = gate if hasattr(self, "g_proj") else self.g_b_proj(gate)
+        o = gated_rms_norm(o, heads(gate), self.o_norm.weight[...], self.eps).astype(x.dtype)
         add = () if residual is None else (residual,)
         return project(o.reshape(B, T, H * K), [self.o_proj.weight[...]], add=add)[0], KDAState(conv, rec)
 

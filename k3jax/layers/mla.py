@@ -115,9 +115,12 @@ class MLA(nnx.Module):
         q_in, c, gate = self.inputs(x, norm)
         pos = start[:, None] + jnp.arange(x.shape[1])  # [B, T]
         cache = self._write(c, cache, pos)
+        keys = MLACache(cache.c_kv[:, :window], cache.k_pe[:, :window])  # [:None] is everything
+        visible = jnp.arange(keys.c_kv.shape[1])[None, None, :] <= pos[:, :, None]  # [B, T, S]
         q = self.queries(q_in)
-        o = absorbed_attention(q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :], cache.c_kv,
-                               cache.k_pe, self.kv_b_proj.weight[...], pos, cfg.qk_head_dim**-0.5, window)
+        o = absorbed_attention(q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :], keys.c_kv,
+                               keys.k_pe, self.kv_b_proj.weight[...], visible,
+                               cfg.qk_head_dim**-0.5)
         return self.output(gate, o, x.dtype, residual), cache
 
     def __call__(self, x: Array, norm: RMSNorm | None = None, residual: Array | None = None) -> Array:

@@ -23,13 +23,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from k3jax.typing import Array
 from pallas_kernels.kda._compat import check_lowering, compiler_params, interpret
 
 TILE = 16
@@ -47,8 +45,6 @@ class KDABlocks:
                     operands ("bfloat16" or "float32"); the state itself stays float32
     warps_intra, warps_walk, stages_walk, warps_decode: Triton launch parameters (ignored off GPU)
     decode_block_v: value columns of the state per program of the decode step
-    warps_decode_head: warps of the decode step when a program holds a whole head (the norm
-                    epilogue): 16 measured 1.7x faster than 4 at mini's shape (benchmarks/RESULTS.md)
     lowering:       "auto", "triton", "mosaic_gpu" or "mosaic_tpu" (``_compat``); chunk and block
                     sizes above are the Triton kernels'; the Mosaic ones use their modules' own
     """
@@ -61,7 +57,6 @@ class KDABlocks:
     stages_walk: int = 2
     decode_block_v: int = 64
     warps_decode: int = 4
-    warps_decode_head: int = 16
     lowering: str = "auto"
 
     def __post_init__(self):
@@ -299,110 +294,46 @@ def _decode_update(q, k, v, g, beta, state, gate, *, scale, lower_bound):
     return scale * (sq + jnp.sum(kb * q) * residual), state + kb[:, None] * residual[None, :]
 
 
-class GatedNorm(NamedTuple):
-    """KDA's output norm on the decode step's o [B, H, V]: ``gated_rms_norm(o, gate, weight, eps)`` of
-    ``k3jax.functional.norms`` (rms_norm(o) * weight * sigmoid(gate), float32), then cast to dtype.
-    gate [B, H, V] and weight [V] in any dtype; eps a float; dtype the output's (the layer's x.dtype)."""
-
-    gate: Array
-    weight: Array
-    eps: float
-    dtype: Any
-
-
-def _low_rank_z(f_a, f_b):
-    """z of one head, f_b [K, R] @ f_a [R], summed in float32 and rounded to f_a's dtype (as the layer's
-    ``Linear`` einsum returns it, weight in f_a's dtype), then float32 again: [K]."""
-    z = jnp.sum(f_b.astype(_F32) * f_a.astype(_F32)[None, :], axis=1)
-    return z.astype(f_a.dtype).astype(_F32)
-
-
-def _gated_rms_norm(o, gate, weight, eps):
-    """``k3jax.functional.norms.gated_rms_norm`` of one head's o [V] float32, its roundings in its order."""
-    y = o * jax.lax.rsqrt(jnp.mean(o * o) + eps)
-    return y * weight.astype(_F32) * _sigmoid(gate.astype(_F32))
-
-
-def _decode_kernel(*refs, fused, low_rank, norm_eps, **kw):
-    """Blocked refs of one (batch, head, value block): q, k, v, then z's (f_a, f_b) when ``low_rank``
-    else g, beta, (A_log, dt_bias) when ``fused``, (gate, weight) of the output norm when ``norm_eps``
-    is not None, the state; outputs o, state."""
-    q_ref, k_ref, v_ref, *refs = refs
-    if low_rank:
-        f_a_ref, f_b_ref, *refs = refs
-        g = _low_rank_z(f_a_ref[...], f_b_ref[...])
-    else:
-        g_ref, *refs = refs
-        g = g_ref[...]
-    beta_ref, *refs = refs
-    gate = None
+def _decode_kernel(*refs, fused, **kw):
+    """Blocked refs of one (batch, head, value block)."""
     if fused:
-        a_ref, dtb_ref, *refs = refs
+        q_ref, k_ref, v_ref, g_ref, beta_ref, a_ref, dtb_ref, s_ref, o_ref, s_out_ref = refs
         gate = (a_ref[...], dtb_ref[...])
-    if norm_eps is not None:
-        norm_gate_ref, norm_weight_ref, *refs = refs
-    s_ref, o_ref, s_out_ref = refs
-    o, s_out_ref[...] = _decode_update(q_ref[...], k_ref[...], v_ref[...], g, beta_ref[...], s_ref[...], gate, **kw)
-    if norm_eps is not None:
-        o = _gated_rms_norm(o, norm_gate_ref[...], norm_weight_ref[...], norm_eps)
-    o_ref[...] = o.astype(o_ref.dtype)
+    else:
+        q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, s_out_ref = refs
+        gate = None
+    o_ref[...], s_out_ref[...] = _decode_update(q_ref[...], k_ref[...], v_ref[...], g_ref[...], beta_ref[...],
+                                                s_ref[...], gate, **kw)
 
 
-def decode_step(q, k, v, g, beta, state, gate=None, *, scale, blocks, lower_bound=0.0, norm=None):
-    """One token per sequence: q, k [B, H, K]; v [B, H, V]; beta [B, H]; state [B, H, K, V] f32.
+def decode_step(q, k, v, g, beta, state, gate=None, *, scale, blocks, lower_bound=0.0):
+    """One token per sequence: q, k, g [B, H, K]; v [B, H, V]; beta [B, H]; state [B, H, K, V] f32.
     gate None, or the layer's raw gate parameters (A_log [H], dt_bias [H, K]) for the fused gate (then
-    g holds the raw z, beta the logits and q, k are not yet normalized). g [B, H, K], or with the fused
-    gate the pair (f_a [B, R], f_b [H * K, R]) whose product (the layer's f_b_proj) each program forms
-    for its head (``_low_rank_z``). Inputs are read in their own dtypes (bf16 or float32) and converted
-    in the kernel, and exp(A_log) is taken there too: at a batch-1 step each conversion in XLA would be
-    a kernel launch of its own. norm: None, or a ``GatedNorm`` applied to o in the kernel (each program
-    then holds a whole head: V columns, ``decode_block_v`` ignored).
+    g holds the raw z, beta the logits and q, k are not yet normalized). Inputs are read in their own
+    dtypes (bf16 or float32) and converted in the kernel, and exp(A_log) is taken there too: at a
+    batch-1 step each conversion in XLA would be a kernel launch of its own.
 
-    Returns o [B, H, V] (float32, or normed in ``norm.dtype``) and the new state (written over the
-    input state's buffer).
+    Returns o float32 [B, H, V] and the new state (written over the input state's buffer).
     """
     B, H, K = q.shape
     V = v.shape[-1]
-    bv = V if norm is not None else min(blocks.decode_block_v, V)
-    fused, low_rank = gate is not None, isinstance(g, tuple)
-    if low_rank and not fused:
-        raise ValueError("z as (f_a, f_b) needs the fused gate (gate=(A_log, dt_bias))")
+    bv = min(blocks.decode_block_v, V)
+    fused = gate is not None
+    args = [q, k, v, g, beta[..., None]] + ([gate[0].reshape(H, 1), gate[1]] if fused else [])
     vec = pl.BlockSpec((None, None, K), lambda b, h, j: (b, h, 0))
     v_spec = pl.BlockSpec((None, None, bv), lambda b, h, j: (b, h, j))
     s_spec = pl.BlockSpec((None, None, K, bv), lambda b, h, j: (b, h, 0, j))
-    args, in_specs = [q, k, v], [vec, vec, v_spec]
-    if low_rank:
-        f_a, f_b = g
-        R = f_a.shape[-1]
-        if f_a.shape != (B, R) or f_b.shape != (H * K, R):
-            raise ValueError(f"f_a {f_a.shape}, f_b {f_b.shape}: expected ({B}, R) and ({H * K}, R)")
-        args += [f_a, f_b]
-        in_specs += [pl.BlockSpec((None, R), lambda b, h, j: (b, 0)), pl.BlockSpec((K, R), lambda b, h, j: (h, 0))]
-    else:
-        args.append(g)
-        in_specs.append(vec)
-    args.append(beta[..., None])
-    in_specs.append(pl.BlockSpec((None, None, 1), lambda b, h, j: (b, h, 0)))
+    in_specs = [vec, vec, v_spec, vec, pl.BlockSpec((None, None, 1), lambda b, h, j: (b, h, 0))]
     if fused:
-        args += [gate[0].reshape(H, 1), gate[1]]
         in_specs += [pl.BlockSpec((None, 1), lambda b, h, j: (h, 0)), pl.BlockSpec((None, K), lambda b, h, j: (h, 0))]
-    if norm is not None:
-        if norm.gate.shape != (B, H, V) or norm.weight.shape != (V,):
-            raise ValueError(f"norm gate {norm.gate.shape}, weight {norm.weight.shape}: expected {(B, H, V)}, {(V,)}")
-        args += [norm.gate, norm.weight]
-        in_specs += [v_spec, pl.BlockSpec((V,), lambda b, h, j: (0,))]
-    out_dtype = _F32 if norm is None else norm.dtype
-    kernel = functools.partial(_decode_kernel, fused=fused, low_rank=low_rank,
-                               norm_eps=None if norm is None else float(norm.eps), scale=scale,
-                               lower_bound=lower_bound)
+    kernel = functools.partial(_decode_kernel, fused=fused, scale=scale, lower_bound=lower_bound)
     return pl.pallas_call(
         kernel, grid=(B, H, V // bv), in_specs=in_specs + [s_spec], out_specs=[v_spec, s_spec],
-        out_shape=[jax.ShapeDtypeStruct((B, H, V), out_dtype), jax.ShapeDtypeStruct((B, H, K, V), _F32)],
-        input_output_aliases={len(args): 1},
-        compiler_params=compiler_params(blocks.warps_decode if norm is None else blocks.warps_decode_head, 1),
+        out_shape=[jax.ShapeDtypeStruct((B, H, V), _F32), jax.ShapeDtypeStruct((B, H, K, V), _F32)],
+        input_output_aliases={len(args): 1}, compiler_params=compiler_params(blocks.warps_decode, 1),
         interpret=interpret(),
         name="kda_decode_step",
     )(*args, state.astype(_F32))
 
 
-__all__ = ["TILE", "GatedNorm", "KDABlocks", "intra_chunk", "state_walk", "decode_step"]
+__all__ = ["TILE", "KDABlocks", "intra_chunk", "state_walk", "decode_step"]

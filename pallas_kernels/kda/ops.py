@@ -3,7 +3,7 @@
     chunk_kda(q, k, v, g, beta, initial_state=None, scale=None)          -> (o, final_state)
     chunk_kda_fused(q, k, v, z, a_log, dt_bias, beta_logits, lower_bound, initial_state, scale)
     step_kda(q, k, v, g, beta, state, scale=None)                        -> (o, state)
-    step_kda_fused(q, k, v, z, a_log, dt_bias, beta_logits, state, lower_bound, scale, *, norm)
+    step_kda_fused(q, k, v, z, a_log, dt_bias, beta_logits, state, lower_bound, scale)
 
 q, k [B, T, H, K] (bf16 or float32), v [B, T, H, V], g [B, T, H, K] float32 log decay, beta [B, T, H]
 float32 after the sigmoid, state [B, H, K, V] float32; o is float32 [B, T, H, V]. K, V and the block
@@ -25,10 +25,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from k3jax.functional.norms import gated_rms_norm
 from pallas_kernels.kda import mosaic_gpu, mosaic_gpu_decode, reference, tpu
 from pallas_kernels.kda._compat import interpret, resolve_decode_lowering, resolve_lowering
-from pallas_kernels.kda.kernel import GatedNorm, KDABlocks, decode_step, intra_chunk, state_walk
+from pallas_kernels.kda.kernel import KDABlocks, decode_step, intra_chunk, state_walk
 
 DEFAULT_BLOCKS = KDABlocks()
 MIN_LOWER_BOUND = -10.0  # most negative per-step gate whose 16-token span fits float32 (midpoint)
@@ -71,37 +70,19 @@ def _tpu_interpret():
     return pltpu.InterpretParams()
 
 
-def _decode(q, k, v, g, beta, state, gate, *, scale, blocks, lower_bound=0.0, norm=None):
+def _decode(q, k, v, g, beta, state, gate, *, scale, blocks, lower_bound=0.0):
     """gate: None, or the raw (A_log [H], dt_bias [H, K]), which the Triton kernel reads as they are
-    (and beta in its dtype); the Mosaic kernels take ``_gate_params`` and a float32 beta. g may be the
-    pair (f_a, f_b) and norm a ``GatedNorm``: the Triton kernel takes both in; around the Mosaic
-    kernels XLA forms z before and the norm after."""
+    (and beta in its dtype); the Mosaic kernels take ``_gate_params`` and a float32 beta."""
     lowering = resolve_decode_lowering(blocks.lowering, q.shape[-1], v.shape[-1], 2 * state.size * 4)
     if lowering == "triton":
-        return decode_step(q, k, v, g, beta, state, gate, scale=scale, blocks=blocks, lower_bound=lower_bound,
-                           norm=norm)
-    if isinstance(g, tuple):
-        g = _low_rank_z(*g, q.shape[1:])
+        return decode_step(q, k, v, g, beta, state, gate, scale=scale, blocks=blocks, lower_bound=lower_bound)
     gate_params = None if gate is None else _gate_params(*gate, q.shape[-1])
     beta = beta.astype(jnp.float32)
     if lowering == "mosaic_tpu":
-        o, state = tpu.decode_step(q, k, v, g, beta, state, gate_params, scale=scale, lower_bound=lower_bound,
-                                   interpret=_tpu_interpret())
-    else:
-        o, state = mosaic_gpu_decode.decode_step(q, k, v, g, beta, state, gate_params, scale=scale,
-                                                 lower_bound=lower_bound,
-                                                 interpret=mosaic_gpu.interpret_params() if interpret() else False)
-    return o if norm is None else _gated_norm_xla(o, norm), state
-
-
-def _low_rank_z(f_a, f_b, heads_shape):
-    """z [B, H, K] = f_a [B, R] @ f_b [H * K, R]^T, as the layer's ``Linear`` (weight in f_a's dtype)."""
-    z = jnp.einsum("bi,oi->bo", f_a, f_b.astype(f_a.dtype), precision=jax.lax.Precision.HIGHEST)
-    return z.reshape(f_a.shape[0], *heads_shape)
-
-
-def _gated_norm_xla(o, norm):
-    return gated_rms_norm(o, norm.gate, norm.weight, norm.eps).astype(norm.dtype)
+        return tpu.decode_step(q, k, v, g, beta, state, gate_params, scale=scale, lower_bound=lower_bound,
+                               interpret=_tpu_interpret())
+    return mosaic_gpu_decode.decode_step(q, k, v, g, beta, state, gate_params, scale=scale, lower_bound=lower_bound,
+                                         interpret=mosaic_gpu.interpret_params() if interpret() else False)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
@@ -187,19 +168,16 @@ def step_kda(q, k, v, g, beta, state, scale=None, *, blocks: KDABlocks = DEFAULT
 
 
 def step_kda_fused(q, k, v, z, a_log, dt_bias, beta_logits, state, lower_bound: float = -5.0, scale=None, *,
-                   norm: GatedNorm | None = None, blocks: KDABlocks = DEFAULT_BLOCKS):
-    """One decode step from the layer's raw inputs (as ``chunk_kda_fused``, one token): q, k [B, H, K]
+                   blocks: KDABlocks = DEFAULT_BLOCKS):
+    """One decode step from the layer's raw inputs (as ``chunk_kda_fused``, one token): q, k, z [B, H, K]
     un-normalized, v [B, H, V], a_log [H], dt_bias [H, K], beta_logits [B, H], state [B, H, K, V] f32.
-    z [B, H, K], or the pair (f_a [B, R], f_b [H * K, R]) of the layer's low-rank gate projection
-    (z = f_a f_b^T in f_a's dtype, formed in the Triton kernel). The q/k L2 norms, K3's bounded gate and
-    the beta sigmoid run inside the kernel. Returns (o float32 [B, H, V], state); with ``norm`` (a
-    ``GatedNorm``) o is the gated RMS norm of that, in ``norm.dtype`` (in the Triton kernel's epilogue).
-    Not differentiable."""
+    The q/k L2 norms, K3's bounded gate and the beta sigmoid run inside the kernel. Returns
+    (o float32 [B, H, V], state). Not differentiable."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     H, K = q.shape[-2:]
     return _decode(q, k, v, z, beta_logits, state, (a_log.reshape(H), dt_bias.reshape(H, K)), scale=scale,
-                   blocks=blocks, lower_bound=float(lower_bound), norm=norm)
+                   blocks=blocks, lower_bound=float(lower_bound))
 
 
-__all__ = ["DEFAULT_BLOCKS", "MIN_LOWER_BOUND", "GatedNorm", "KDABlocks", "chunk_kda", "chunk_kda_fused", "step_kda",
+__all__ = ["DEFAULT_BLOCKS", "MIN_LOWER_BOUND", "KDABlocks", "chunk_kda", "chunk_kda_fused", "step_kda",
            "step_kda_fused"]
