@@ -231,6 +231,7 @@ def _block_product(x_refs: _XRefs, w_ref, add_refs, o_ref, row0, *, bn: int, bk:
 
     init = jnp.zeros((DOT_ROWS, bn), jnp.float32) if dot else (jnp.zeros((bn,), jnp.float32),) * m_rows
     acc = jax.lax.fori_loop(0, pl.cdiv(depth, bk), step, init)
+
     def epilogue(y, rows, mask):
         y = y.astype(o_ref.dtype)
         for a_ref in add_refs:
