@@ -81,7 +81,8 @@ def main() -> None:
     cfg = preset(args.preset)
     counts = count_params(cfg)
     model = K3Model(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16)
-    rows = []
+    print(f"\n{cfg.name} ({counts.total / 1e9:.2f}B params, {counts.active / 1e9:.2f}B active), impl={args.impl}")
+    row = lambda *cells: print(" | ".join(f"{c:>18}" for c in cells), flush=True)  # each as soon as measured
     with use_implementation(args.impl):
         for batch in [int(b) for b in args.batches.split(",")]:
             gen = Generator(model, max_len=args.prompt + 64, prefill_chunk=args.prompt)
@@ -110,8 +111,8 @@ def main() -> None:
                 print(f"\n## decode B={batch}, step {step * 1e6:,.0f} us")
                 print(kernel_table(once, dumped_source_paths(args.profile, "decode"), top=args.profile_top))
             floor = decode_floor_bytes(cfg, counts, batch, args.prompt + 1) / bw
-            rows.append((f"decode B={batch}", f"{step * 1e3:.2f} ms", f"floor {floor * 1e3:.2f} ms",
-                         f"{step / floor:.1f}x floor", f"{batch / step:,.0f} tok/s"))
+            row(f"decode B={batch}", f"{step * 1e3:.2f} ms", f"floor {floor * 1e3:.2f} ms", f"{step / floor:.1f}x floor",
+                f"{batch / step:,.0f} tok/s")
         T = args.prefill
         if T:
             gen = Generator(model, max_len=T + 16, prefill_chunk=2048)
@@ -131,11 +132,8 @@ def main() -> None:
             head = cfg.vocab_size * cfg.hidden_size  # the output head runs on each prompt's last token only
             flops = 2 * (counts.active - head) * T + 2 * head + cfg.layer_types.count("mla") * 2 * T * T * (
                 mla.num_heads * (mla.qk_head_dim + mla.v_head_dim))
-            rows.append((f"prefill T={T}", f"{seconds * 1e3:.0f} ms", f"{T / seconds:,.0f} tok/s",
-                         f"{flops / seconds / 1e12:.0f} TF/s", f"{flops / seconds / rate:.1%} of matmul"))
-    print(f"\n{cfg.name} ({counts.total / 1e9:.2f}B params, {counts.active / 1e9:.2f}B active), impl={args.impl}")
-    for r in rows:
-        print(" | ".join(f"{c:>18}" for c in r))
+            row(f"prefill T={T}", f"{seconds * 1e3:.0f} ms", f"{T / seconds:,.0f} tok/s",
+                f"{flops / seconds / 1e12:.0f} TF/s", f"{flops / seconds / rate:.1%} of matmul")
 
 
 if __name__ == "__main__":
