@@ -138,13 +138,11 @@ def _decode_emulated(codes: Array, scales: Array, bk: int) -> Array:
         _scale_bf16_bits(scale).astype(jnp.uint16), _BF16))
 
 
-def _ptx_shift(dst: str, src: str, n: int, multiply: bool = False) -> str:
-    if n < 0:
-        return f"shr.b32 {dst}, {src}, {-n};"
-    return f"mul.lo.u32 {dst}, {src}, {1 << n};" if multiply else f"shl.b32 {dst}, {src}, {n};"
+def _ptx_shift(dst: str, src: str, n: int) -> str:
+    return f"shl.b32 {dst}, {src}, {n};" if n >= 0 else f"shr.b32 {dst}, {src}, {-n};"
 
 
-def _decode_asm(one_multiply: bool, multiply_shifts: bool = False) -> str:
+def _decode_asm(one_multiply: bool) -> str:
     """Inline PTX of one code word: outputs $0-$3 the bf16x2 registers of outputs j = 0..3, inputs
     $4 the word and $5 the factor as bf16x2: the block scale (two multiplies: by 2**126, then by
     the scale) or, with one_multiply, 2**126 times the scale (exact in bf16 for scale bytes <= 128).
@@ -155,8 +153,7 @@ def _decode_asm(one_multiply: bool, multiply_shifts: bool = False) -> str:
     lines += [f"and.b32 sign{p}, w, {bits:#x};" for p, bits in enumerate(_SIGN_BITS)]
     for j in range(4):
         magnitude_shift, _, sign_shift = _output_steps(j)
-        lines += [_ptx_shift("a", "w", magnitude_shift, multiply_shifts),
-                  _ptx_shift("s", f"sign{j % 2}", sign_shift, multiply_shifts),
+        lines += [_ptx_shift("a", "w", magnitude_shift), _ptx_shift("s", f"sign{j % 2}", sign_shift),
                   f"lop3.b32 a, a, s, {_MAGNITUDE_MASK:#x}, {_MERGE:#x};"]
         lines += [] if one_multiply else ["fma.rn.bf16x2 a, a, bias, nz;"]
         lines += [f"fma.rn.bf16x2 ${j}, a, sc, nz;"]
