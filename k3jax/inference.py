@@ -44,6 +44,12 @@ class Generation:
         return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else float("nan")
 
 
+# The decode step's command buffer (CUDA graph) orders its kernels by the buffers they share, not by
+# XLA's one-stream schedule, so the batch-1 step's L2 prefetches (``k3jax.layers.prefetch``) run beside
+# the kernels between their inputs and their readers.
+DECODE_GPU_OPTIONS = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
+
+
 class Generator:
     """Holds the split model, the compiled prefill chunk and decode step, and runs batches.
 
@@ -75,7 +81,8 @@ class Generator:
         self._weights, self._treedef = jax.tree_util.tree_flatten(params)
         self._model = model
         self._extend = jax.jit(self._extend_fn, donate_argnums=2, static_argnames="window")
-        self._decode = jax.jit(self._decode_fn, donate_argnums=2, static_argnames=("sampling", "window"))
+        self._decode = jax.jit(self._decode_fn, donate_argnums=2, static_argnames=("sampling", "window"),
+                               compiler_options=DECODE_GPU_OPTIONS if jax.default_backend() == "gpu" else None)
         self._sample = jax.jit(sample, static_argnames="sampling")
 
     def _extend_fn(self, weights, tokens, cache, start, lengths, logits_at=None, window=None):
