@@ -44,9 +44,9 @@ class Generation:
         return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else float("nan")
 
 
-# The decode step's command buffer (CUDA graph) orders its kernels by the buffers they share, not by
-# XLA's one-stream schedule, so the batch-1 step's L2 prefetches (``k3jax.layers.prefetch``) run beside
-# the kernels between their inputs and their readers.
+# The decode step's command buffer (CUDA graph) orders its kernels by the buffers they share, not in
+# XLA's one-stream schedule, so kernels that do not depend on each other run side by side: on the H200
+# the B=64 step of `mini` took 2.73 ms against 3.11 (benchmarks/RESULTS.md, issue 4, tenth session).
 DECODE_GPU_OPTIONS = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
 
 

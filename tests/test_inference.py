@@ -10,7 +10,7 @@ from flax import nnx
 from conftest import build
 from k3jax.implementation import use_implementation
 from k3jax.layers import basic
-from k3jax.inference import Generator
+from k3jax.inference import DECODE_GPU_OPTIONS, Generator
 from k3jax.layers.mla import MLA
 from k3jax.model import layer_groups
 from k3jax.presets import preset
@@ -204,6 +204,17 @@ def test_attention_window_sizes(small_model, generators):
 def test_invalid_sampling_values(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Sampling(**kwargs)
+
+
+def test_decode_gpu_options_are_xla_compile_options():
+    """The decode step's GPU compile options (the concurrent command-buffer schedule) are an XLA option
+    and value that a compile accepts (on any backend), where a misspelt value is refused."""
+    double = lambda x: x * 2
+    compiled = jax.jit(double, compiler_options=DECODE_GPU_OPTIONS).lower(jnp.arange(3.0)).compile()
+    np.testing.assert_array_equal(compiled(jnp.arange(3.0)), [0.0, 2.0, 4.0])
+    misspelt = {name: value[:-1] for name, value in DECODE_GPU_OPTIONS.items()}
+    with pytest.raises(Exception, match="not a valid enum value"):
+        jax.jit(double, compiler_options=misspelt).lower(jnp.arange(3.0)).compile()
 
 
 def test_pallas_batch_one_decode_matvec_kernel_equals_einsums(monkeypatch):
