@@ -13,8 +13,6 @@ Each switch turns one change off (module attributes read while a step is traced)
   an XLA op before their down projection, not the matvec kernel's prologue);
 - adds by XLA: ``k3jax.layers.basic.ADD_IN_KERNEL`` False (the residual and shared-expert adds after a
   projection are XLA ops, not the matvec kernel's epilogue);
-- router with the other maps: ``k3jax.layers.moe.ROUTER_APART`` False (the MoE's router in the one matvec of
-  its input maps, so expert selection waits for all of them);
 - serial command buffer: ``k3jax.inference.DECODE_GPU_OPTIONS`` empty (the step's command buffer in
   XLA's default schedule, one kernel after another, not ordered by the buffers they share).
 Variants: the default, each switch alone, all the changes off. Also prints each variant's first logits
@@ -33,7 +31,6 @@ from flax import nnx
 
 import k3jax.inference as inference
 import k3jax.layers.kda as kda
-import k3jax.layers.moe as moe
 import k3jax.model as model_module
 from k3jax import Generator, K3Model, preset, use_implementation
 from k3jax.layers import basic
@@ -47,7 +44,6 @@ OFF = {  # a change's name -> (owner, attribute, value with the change off)
     "latents by XLA": (MLA, "_write", MLA._write_xla),
     "activation by XLA": (basic, "ACT_PROLOGUE_MAX_WIDTH", 0),
     "adds by XLA": (basic, "ADD_IN_KERNEL", False),
-    "router with the other maps": (moe, "ROUTER_APART", False),
     "serial command buffer": (inference, "DECODE_GPU_OPTIONS", {}),
 }
 ORIGINAL = {name: getattr(owner, attribute) for name, (owner, attribute, _) in OFF.items()}

@@ -105,12 +105,9 @@ class Activated:
         return self.act(self.gate, self.up)
 
 
-def normed(x: "Array | DepthMix", norm: "RMSNorm | None") -> Array:
-    """x (a ``DepthMix`` mixed) RMS-normed by ``norm``: one input for several ``project`` calls, each
-    of which would mix and norm it again (at one row on the Pallas path, mixed and normed in one kernel)."""
-    if isinstance(x, DepthMix):
-        x, norm = _mixed(x, norm, _matvec_kernel_fits(math.prod(x.shape[:-1]), x.dtype, (), ()))
-    return x if norm is None else norm(x)
+def materialize(x: "Array | DepthMix") -> Array:
+    """x itself, or a ``DepthMix``'s value: for readers that need the array."""
+    return x.value() if isinstance(x, DepthMix) else x
 
 
 def _mixed(mix: DepthMix, norm: "RMSNorm | None", kernel: bool) -> tuple[Array, "RMSNorm | None"]:
@@ -219,5 +216,5 @@ class Embed(nnx.Module):
         return jnp.take(self.weight[...], tokens, axis=0)
 
 
-__all__ = ["Rngs", "Keys", "Linear", "RMSNorm", "Embed", "normal", "normed", "project", "add_rounded", "Activated",
+__all__ = ["Rngs", "Keys", "Linear", "RMSNorm", "Embed", "normal", "materialize", "project", "add_rounded", "Activated",
            "ACT_PROLOGUE_MAX_WIDTH", "ADD_IN_KERNEL", "MATVEC_KERNEL_ROWS"]

@@ -14,16 +14,13 @@ from flax import nnx
 from k3jax.config import MoEConfig
 from k3jax.functional.moe import Activation, grouped_matmul, moe_dense, moe_sorted, select_experts
 from k3jax.implementation import get_implementation, triton_kernels
-from k3jax.layers.basic import Linear, RMSNorm, Rngs, add_rounded, normal, normed, project
+from k3jax.layers.basic import Linear, RMSNorm, Rngs, add_rounded, materialize, normal, project
 from k3jax.layers.mlp import DenseMLP
 from k3jax.mx import MXTensor, quantize_compiled
 from k3jax.sharding import expert_mesh, moe_expert_parallel
 from k3jax.typing import Array
 
 Dispatch = Literal["sorted", "dense"]
-# Whether the router's logits come from a matvec of their own (``MoE._inputs``; a switch for
-# ``benchmarks/decode_variants.py``).
-ROUTER_APART = True
 
 
 class Router(nnx.Module):
@@ -112,20 +109,18 @@ class MoE(nnx.Module):
 
     def _inputs(self, flat: Array, norm: RMSNorm | None) -> tuple[Array, Array, list[Array]]:
         """(router logits float32, the routed experts' input, the shared experts' gate and up): the
-        maps that read the layer's input (``project``). With ``ROUTER_APART`` the router has a matvec of
-        its own, so that expert selection need not wait for the wider maps' weights (on a GPU the decode
-        step's command buffer runs the two side by side: ``k3jax.inference``); else one for all."""
-        if ROUTER_APART or not self.cfg.latent_size:  # the routed experts read the (normed) input itself
-            flat, norm = normed(flat, norm), None
-        router, weights = [self.gate.weight[...]], []
+        maps that read the layer's input, together (``project``)."""
+        if not self.cfg.latent_size:  # the routed experts read the (normed) input itself
+            flat = materialize(flat)
+            if norm is not None:
+                flat, norm = norm(flat), None
+        weights, dtypes = [self.gate.weight[...]], [jnp.float32]
         if self.cfg.latent_size:
             weights.append(self.routed_expert_down_proj.weight[...])
         if self.cfg.num_shared_experts:
             weights += [self.shared_experts.gate_proj.weight[...], self.shared_experts.up_proj.weight[...]]
-        if ROUTER_APART:
-            logits, rest = project(flat, router, [jnp.float32])[0], project(flat, weights) if weights else []
-        else:
-            logits, *rest = project(flat, router + weights, [jnp.float32] + [flat.dtype] * len(weights), norm)
+        outs = project(flat, weights, dtypes + [flat.dtype] * (len(weights) - 1), norm)
+        logits, rest = outs[0], outs[1:]
         if self.cfg.latent_size:
             return logits, rest[0], rest[1:]
         return logits, flat, rest
