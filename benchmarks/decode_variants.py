@@ -1,9 +1,11 @@
-"""Batch-1 decode step of a preset on the Pallas path with and without each of the latest step changes,
-in one process: every variant's step is traced and compiled first, then the variants are timed
-round-robin (five rounds of 20 steps, best round), so lease-to-lease drift does not enter the comparison.
+"""Decode step of a preset on the Pallas path with and without each of the latest step changes, in one
+process: every variant's step is traced and compiled first (each from a copy of one prefilled cache),
+then the variants are timed round-robin (five rounds of 20 steps, best round), so lease-to-lease drift
+does not enter the comparison.
 
-    python3 benchmarks/decode_variants.py [preset [variant ...]]   (default mini and every variant; tiny runs
-                                                                    on a CPU)
+    python3 benchmarks/decode_variants.py [preset [variant ...]] [--batch N]   (default mini, every
+                                                                                variant, batch 1; tiny
+                                                                                runs on a CPU)
 
 Each switch turns one change off (module attributes read while a step is traced):
 - short convs by XLA: ``k3jax.layers.kda._short_convs`` set to its XLA form (not ``pallas_kernels.short_conv``);
@@ -21,7 +23,7 @@ against the default's (with random bf16 weights the model amplifies float32 summ
 
 from __future__ import annotations
 
-import sys
+import argparse
 import time
 
 import jax
@@ -57,22 +59,29 @@ def use(off: tuple[str, ...]) -> None:
 
 
 def main() -> None:
-    cfg = preset(sys.argv[1] if len(sys.argv) > 1 else "mini")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("preset", nargs="?", default="mini")
+    ap.add_argument("variants", nargs="*", help=f"from {sorted(VARIANTS)}, 'default' among them (default: all)")
+    ap.add_argument("--batch", type=int, default=1, help="sequences per decode step")
+    args = ap.parse_args()
+    cfg = preset(args.preset)
     model = K3Model(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16)
-    prompt = 128 if cfg.hidden_size >= 1024 else 8
-    prompts = np.random.default_rng(1).integers(0, cfg.vocab_size, (1, prompt)).tolist()
-    pos, key = jnp.full((1,), prompt, jnp.int32), jax.random.key(0)
-    names = sys.argv[2:] or list(VARIANTS)
+    prompt, batch = (128 if cfg.hidden_size >= 1024 else 8), args.batch
+    prompts = np.random.default_rng(1).integers(0, cfg.vocab_size, (batch, prompt)).tolist()
+    pos, key = jnp.full((batch,), prompt, jnp.int32), jax.random.key(0)
+    names = args.variants or list(VARIANTS)
     unknown = sorted(set(names) - set(VARIANTS))
     if unknown or "default" not in names:
         raise SystemExit(f"variants must include 'default' and come from {sorted(VARIANTS)}; unknown: {unknown}")
-    runs = {}
+    runs, prefilled = {}, None
     with use_implementation("pallas"):
         for name in names:
             use(VARIANTS[name])
             gen = Generator(model, max_len=prompt + 64, prefill_chunk=prompt)  # a fresh jit: traced under its switches
-            _, cache = gen.prefill(prompts, gen.init_cache(1))
-            token, logits, cache = gen.decode_step(jnp.zeros((1,), jnp.int32), cache, pos, key)
+            if prefilled is None:  # one prefill: every variant's first step starts from the same cache
+                _, prefilled = gen.prefill(prompts, gen.init_cache(batch))
+            cache = jax.tree.map(jnp.copy, prefilled)  # each decode step donates its cache
+            token, logits, cache = gen.decode_step(jnp.zeros((batch,), jnp.int32), cache, pos, key)
             runs[name] = [gen, jax.block_until_ready(token), cache, logits]
             print(f"compiled: {name}", flush=True)
         use(())
@@ -90,7 +99,7 @@ def main() -> None:
                 jax.block_until_ready(token)
                 times[name].append((time.perf_counter() - start) / 20)
                 run[1:3] = [token, cache]
-    print(f"\n{cfg.name}, B=1 decode step, ms | best | rounds")
+    print(f"\n{cfg.name}, B={batch} decode step, ms | best | rounds")
     for name, ts in times.items():
         print(f"{name} | {min(ts) * 1e3:.3f} | {' '.join(f'{t * 1e3:.3f}' for t in ts)}")
 
