@@ -45,7 +45,7 @@ class Generation:
 
 
 # The decode step's command buffer (CUDA graph) orders its kernels by the buffers they share, not in
-# XLA's one-stream schedule, so kernels that do not depend on each other run side by side: on the H200
+# XLA's one-stream schedule, so kernels that share no buffer may run side by side: on the H200
 # the B=64 step of `mini` took 2.73 ms against 3.11 (benchmarks/RESULTS.md, issue 4, tenth session).
 DECODE_GPU_OPTIONS = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
 
