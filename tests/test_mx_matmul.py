@@ -10,6 +10,7 @@ from k3jax.functional.moe import moe_dense, situ
 from pallas_kernels.mx_matmul import (
     MXBlocks,
     fused_moe_mx,
+    fused_moe_mx_split,
     grouped_mx_matmul,
     grouped_mx_matmul_reference,
     mx_matmul,
@@ -159,10 +160,12 @@ def test_shape_errors(weight, experts):
         grouped_mx_matmul(jnp.ones((4, K)), experts, GROUP_SIZES, blocks=DECODE_THEN_DOT)
 
 
+@pytest.mark.parametrize("fused", [fused_moe_mx, fused_moe_mx_split])
 @pytest.mark.parametrize("tokens", [1, 3])
-def test_fused_moe_matches_dense_reference(tokens):
-    """One kernel for a few tokens (F = 96, R = 160: three and five scale blocks) against every
-    expert on every token combined by the routing weights, float32 on decoded weights."""
+def test_fused_moe_matches_dense_reference(fused, tokens):
+    """The fused MoE (one kernel, or two) for a few tokens (F = 96, R = 160: three and five scale
+    blocks) against every expert on every token combined by the routing weights, float32 on decoded
+    weights."""
     E, F, R, k = 6, 96, 160, 2
     keys = jax.random.split(jax.random.key(20), 5)
     w1, w3 = (MXTensor.quantize(jax.random.normal(kk, (E, F, R)) * R**-0.5) for kk in keys[:2])
@@ -170,19 +173,26 @@ def test_fused_moe_matches_dense_reference(tokens):
     x = bf16_normal(keys[3], (tokens, R))
     experts = jnp.array([[4, 1], [1, 0], [5, 4]], jnp.int32)[:tokens]  # expert 1 and 4 shared by tokens
     weights = jax.random.uniform(keys[4], (tokens, k))
-    out = fused_moe_mx(x, w1, w3, w2, weights, experts, situ)
+    out = fused(x, w1, w3, w2, weights, experts, situ)
     ref = moe_dense(x, *(w.decode(jnp.float32) for w in (w1, w3, w2)), weights, experts, situ)
     assert out.shape == (tokens, R) and out.dtype == jnp.float32
     assert rel_err(out, ref) < 1e-5
     with pytest.raises(ValueError, match="disagree"):
-        fused_moe_mx(x, w1, w3, w1, weights, experts, situ)
+        fused(x, w1, w3, w1, weights, experts, situ)
 
 
+TILED_MOE = {  # several tiles per program: 2 blocks of 64 hidden units, 2 contracted steps of 128, and
+    fused_moe_mx: dict(blocks=MXBlocks(bm=1, bn=64, bk=128, gemv=True), down_rows=16),  # 16 adds of 16 rows
+    fused_moe_mx_split: dict(blocks=MXBlocks(bm=1, bn=64, bk=128, gemv=True),  # 16 blocks of 16 output
+                             down_blocks=MXBlocks(bm=1, bn=16, bk=64, gemv=True)),  # rows, 2 x 3 tiles of 64
+}
+
+
+@pytest.mark.parametrize("fused", list(TILED_MOE))
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_fused_moe_tiles_and_repeated_experts(dtype):
-    """Several loop steps per program (2 blocks of 64 hidden units, 2 contracted steps of 128, 16 atomic adds
-    of 16 output rows), 4 tokens, an expert picked twice by one token and shared across tokens, against the
-    dense reference; bf16 x gives a bf16 output."""
+def test_fused_moe_tiles_and_repeated_experts(fused, dtype):
+    """Several tiles per program (``TILED_MOE``), 4 tokens, an expert picked twice by one token and
+    shared across tokens, against the dense reference; bf16 x gives a bf16 output."""
     E, F, R, k, T = 5, 128, 256, 3, 4
     keys = jax.random.split(jax.random.key(21), 5)
     w1, w3 = (MXTensor.quantize(jax.random.normal(kk, (E, F, R)) * R**-0.5) for kk in keys[:2])
@@ -190,23 +200,23 @@ def test_fused_moe_tiles_and_repeated_experts(dtype):
     x = bf16_normal(keys[3], (T, R)).astype(dtype)
     experts = jnp.array([[2, 2, 0], [4, 1, 2], [0, 3, 1], [3, 3, 3]], jnp.int32)
     weights = jax.random.uniform(keys[4], (T, k))
-    blocks = MXBlocks(bm=1, bn=64, bk=128, num_warps=4, num_stages=2, gemv=True)
-    out = fused_moe_mx(x, w1, w3, w2, weights, experts, situ, blocks=blocks, down_rows=16)
+    out = fused(x, w1, w3, w2, weights, experts, situ, **TILED_MOE[fused])
     ref = moe_dense(x.astype(jnp.float32), *(w.decode(jnp.float32) for w in (w1, w3, w2)), weights, experts, situ)
     assert out.shape == (T, R) and out.dtype == dtype
     assert rel_err(out.astype(jnp.float32), ref) < (1e-5 if dtype == jnp.float32 else 1e-2)
-    sums = fused_moe_mx(x, w1, w3, w2, weights, experts, situ, blocks=blocks, down_rows=16, out_dtype=jnp.float32)
+    sums = fused(x, w1, w3, w2, weights, experts, situ, **TILED_MOE[fused], out_dtype=jnp.float32)
     assert sums.dtype == jnp.float32 and rel_err(sums, ref) < (1e-5 if dtype == jnp.float32 else 1e-2)
     np.testing.assert_array_equal(np.float32(sums.astype(dtype)), np.float32(out))  # the same sums, unrounded
 
 
-def test_fused_moe_lowers_for_cuda_through_triton():
+@pytest.mark.parametrize("fused", [fused_moe_mx, fused_moe_mx_split])
+def test_fused_moe_lowers_for_cuda_through_triton(fused):
     """Pallas' Triton lowering of the fused MoE (x's even / odd columns by strided loads), on the CPU."""
     E, F, R, k = 4, 64, 256, 2
     w1, w2 = MXTensor.quantize(jnp.ones((E, F, R))), MXTensor.quantize(jnp.ones((E, R, F)))
-    fn = lambda x, weights, experts: fused_moe_mx(x, w1, w1, w2, weights, experts, situ, interpret=False)
-    args = [jax.ShapeDtypeStruct((1, R), jnp.bfloat16), jax.ShapeDtypeStruct((1, k), jnp.float32),
-            jax.ShapeDtypeStruct((1, k), jnp.int32)]
+    fn = lambda x, weights, experts: fused(x, w1, w1, w2, weights, experts, situ, interpret=False)
+    args = [jax.ShapeDtypeStruct((2, R), jnp.bfloat16), jax.ShapeDtypeStruct((2, k), jnp.float32),
+            jax.ShapeDtypeStruct((2, k), jnp.int32)]
     assert "xla.gpu.triton" in jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 

@@ -69,9 +69,9 @@ def test_kda_layer_ragged_rows():
     assert rel_err(pal[3][1], pal[4]) < 5e-3  # row 1's state is the state after its 13 tokens
 
 
-# (3, 1): 6 (token, expert) pairs, the fused decode kernel; (5, 7): 70, sorted; (1, 1): one row, the
-# input maps (norm, router, latent, shared gate and up) in one matvec kernel, and the latent norm and up
-# projection in another
+# (3, 1): 6 (token, expert) pairs, the fused decode MoE's two kernels; (5, 7): 70, sorted; (1, 1): one
+# row, the one-kernel fused MoE, the input maps (norm, router, latent, shared gate and up) in one matvec
+# kernel, and the latent norm and up projection in another
 @pytest.mark.parametrize("tokens", [(3, 1), (5, 7), (1, 1)])
 def test_moe_layer_with_packed_experts(tokens):
     cfg = preset("tiny")

@@ -57,8 +57,8 @@ def _expert_matmul(x: Array, w: Array | MXTensor, group_sizes: Array) -> Array:
 
 
 def _fused_decode(w: Array | MXTensor, experts: Array) -> bool:
-    """The Pallas path's one-kernel MoE for a few (token, expert) pairs (decode) on MXFP4 experts,
-    where it measured faster than the sorted dispatch (``fused_moe_pays``); Triton's, so not on a TPU."""
+    """The Pallas path's fused MoE kernels for a few (token, expert) pairs (decode) on MXFP4 experts,
+    where they measured faster than the sorted dispatch (``fused_moe_pays``); Triton's, so not on a TPU."""
     if not isinstance(w, MXTensor) or not triton_kernels():
         return False
     from pallas_kernels.mx_matmul import fused_moe_pays
@@ -137,11 +137,13 @@ class MoE(nnx.Module):
         if mesh is not None:
             y = moe_expert_parallel(z, w1, w3, w2, weights, experts, self.act, _expert_matmul, mesh)
         elif self.dispatch == "sorted" and _fused_decode(w1, experts):
-            from pallas_kernels.mx_matmul import fused_moe_mx
+            from pallas_kernels import mx_matmul
 
+            # two kernels (no atomics) from SPLIT_MIN_TOKENS tokens, where the one kernel's atomic adds meet
+            fused = mx_matmul.fused_moe_mx_split if B * T >= mx_matmul.SPLIT_MIN_TOKENS else mx_matmul.fused_moe_mx
             # with a latent, the up projection's kernel rounds the float32 sums itself (``read_as``)
-            y = fused_moe_mx(z, w1, w3, w2, weights, experts, self.act,
-                             out_dtype=jnp.float32 if self.cfg.latent_size else None)
+            y = fused(z, w1, w3, w2, weights, experts, self.act,
+                      out_dtype=jnp.float32 if self.cfg.latent_size else None)
         elif self.dispatch == "sorted":
             y = moe_sorted(z, w1, w3, w2, weights, experts, self.act, matmul=_expert_matmul)
         else:

@@ -137,15 +137,9 @@ def fused_moe_pays(pairs: int, experts_per_token: int, hidden: int, blocks: MXBl
     return pairs <= FUSED_MOE_MAX_PAIRS and experts_per_token * hidden // blocks.bn <= FUSED_MOE_MAX_ADDERS
 
 
-def fused_moe_mx(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, weights: Array, experts: Array, act, *,
-                 blocks: MXBlocks = FUSED_MOE_BLOCKS, down_rows: int = FUSED_MOE_DOWN_ROWS, out_dtype=None,
-                 interpret: bool | None = None) -> Array:
-    """Routed experts for a few tokens in one kernel: x [T, R] (bf16/f32), MXFP4 stacks w1, w3
-    [E, F, R] and w2 [E, R, F], weights float32 [T, k], experts int32 [T, k], act(gate, up) ->
-    hidden. Returns sum over the k pairs of weight * expert(x), [T, R] in ``out_dtype`` (default x's
-    dtype; float32 accumulation, so float32 is the sums unrounded). ``blocks.bn`` (hidden units per program, a multiple of 32 dividing F),
-    ``blocks.bk`` (a power of two dividing R) and ``down_rows`` (output rows per atomic add of the
-    down projection) are shrunk to fit."""
+def _check_moe_operands(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, weights: Array, experts: Array) -> None:
+    """The fused MoE kernels' operands: MXFP4 stacks w1, w3 [E, F, R] and w2 [E, R, F], x [T, R],
+    weights and experts [T, k]; F and R whole scale blocks."""
     for name, w, shape in (("w1", w1, None), ("w3", w3, w1.shape), ("w2", w2, None)):
         if not isinstance(w, MXTensor) or w.format != "mxfp4" or w.ndim != 3:
             raise ValueError(f"{name} must be an MXFP4 MXTensor [E, N, K], got {w!r:.200}")
@@ -158,6 +152,19 @@ def fused_moe_mx(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, weights: Ar
         raise ValueError(f"weights {weights.shape} and experts {experts.shape} must both be [T, k], T = {x.shape[0]}")
     if F % BLOCK or R % BLOCK:
         raise ValueError(f"F = {F} and R = {R} must be multiples of {BLOCK}")
+
+
+def fused_moe_mx(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, weights: Array, experts: Array, act, *,
+                 blocks: MXBlocks = FUSED_MOE_BLOCKS, down_rows: int = FUSED_MOE_DOWN_ROWS, out_dtype=None,
+                 interpret: bool | None = None) -> Array:
+    """Routed experts for a few tokens in one kernel: x [T, R] (bf16/f32), MXFP4 stacks w1, w3
+    [E, F, R] and w2 [E, R, F], weights float32 [T, k], experts int32 [T, k], act(gate, up) ->
+    hidden. Returns sum over the k pairs of weight * expert(x), [T, R] in ``out_dtype`` (default x's
+    dtype; float32 accumulation, so float32 is the sums unrounded). ``blocks.bn`` (hidden units per program, a multiple of 32 dividing F),
+    ``blocks.bk`` (a power of two dividing R) and ``down_rows`` (output rows per atomic add of the
+    down projection) are shrunk to fit."""
+    _check_moe_operands(x, w1, w3, w2, weights, experts)
+    E, F, R = w1.shape
     bf = BLOCK * _largest_pow2_divisor(F // BLOCK, max(blocks.bn // BLOCK, 1))
     bk = BLOCK * _largest_pow2_divisor(R // BLOCK, max(blocks.bk // BLOCK, 1))
     br = BLOCK * _largest_pow2_divisor(R // BLOCK, max(down_rows // BLOCK, 1))

@@ -1,0 +1,148 @@
+"""Fused routed-expert MoE for a few tokens as two kernels: no sort, no scatter and no atomics.
+
+``fused_moe_mx_split`` computes what ``moe.fused_moe_mx`` does (see there) in two kernels:
+
+1. the hidden kernel, one program per (pair, block of bf hidden units): gate and up for its bf rows
+   of w1 and w3 by one-row products (decoded codes times the matching even / odd columns of x on
+   the CUDA cores), then h = act(gate, up), rounded to x's dtype as the reference's matmul outputs
+   are, into a float32 buffer h [T*k, F];
+2. the down kernel, one program per (token, block of br output rows): for each of the token's k
+   pairs and each tile of bfb hidden units, w2[e]'s br rows times the pair's h scaled by its
+   routing weight; each output row is written once.
+
+Each program's tiles are straight-line code that loads every tile first and accumulates
+elementwise, float32 [rows, tile width / 2], reducing across threads once at the end: a
+cross-thread reduction puts a barrier in the program, and no load is issued ahead of a barrier, so
+a reduction per tile would make every tile a DRAM round trip of its own. Every routed weight byte is
+read once per pair. Measured on the H200 (benchmarks/RESULTS.md, seventh session, `mini`'s shape):
+a tie with the one-kernel MoE at 1 token, 67.2 against 78.4-79.9 us at 8 tokens, where the one
+kernel's atomic adds from k * F / bf programs meet on each token's output rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from k3jax.implementation import pallas_interpret
+from k3jax.mx import BLOCK, MXTensor
+from k3jax.typing import Array
+from pallas_kernels.mx_matmul.kernel import MXBlocks, _gpu_compiler_params, decode_weight_planes
+from pallas_kernels.mx_matmul.moe import _check_moe_operands, _stack_views
+from pallas_kernels.mx_matmul.ops import _largest_pow2_divisor
+
+
+def _accumulate(acc: Array, tile: tuple[Array, Array], vectors: tuple[Array, Array], method: str,
+                interpret: bool) -> Array:
+    """acc float32 [rows, n/2] + the decoded tile (codes uint8 [rows, n/32, 16], scales [..., 1];
+    its even, odd planes [rows, n/2]) times the float32 vectors [n/2] of the matching even / odd
+    columns, elementwise (no reduction, so no barrier)."""
+    for w, v in zip(decode_weight_planes(*tile, method, interpret), vectors):
+        acc = acc + w.astype(jnp.float32) * v[None, :]
+    return acc
+
+
+def _hidden_kernel(experts_ref, x_ref, w1c_ref, w1s_ref, w3c_ref, w3s_ref, h_ref, *, k: int, bf: int, bk: int,
+                   act, h_dtype, method: str, interpret: bool):
+    """Refs: experts [T*k]; x [T, R] bf16; w1, w3 codes [E, F, R/32, 16] and scales [..., 1]; h [T*k, F]
+    float32. Program (pair, block of bf hidden units): R / bk tiles of bk contracted elements."""
+    pair, block = pl.program_id(0), pl.program_id(1)
+    expert, token = experts_ref[pair], pair // k
+    R = x_ref.shape[1]
+    rows = pl.ds(pl.multiple_of(block * bf, bf), bf)
+    g, half = bk // BLOCK, bk // 2
+    steps = range(R // bk)
+    tiles = [[(c[expert, rows, pl.ds(i * g, g), :], s[expert, rows, pl.ds(i * g, g), :]) for i in steps]
+             for c, s in ((w1c_ref, w1s_ref), (w3c_ref, w3s_ref))]
+    x = [[x_ref[token, pl.ds(i * bk + parity, half, stride=2)].astype(jnp.float32) for parity in (0, 1)]
+         for i in steps]
+    gate, up = [], []
+    for sums, stack_tiles in zip((gate, up), tiles):
+        acc = jnp.zeros((bf, half), jnp.float32)
+        for tile, vectors in zip(stack_tiles, x):
+            acc = _accumulate(acc, tile, vectors, method, interpret)
+        sums.append(jnp.sum(acc, axis=1).astype(h_dtype))
+    h_ref[pair, rows] = act(gate[0], up[0]).astype(h_dtype).astype(jnp.float32)
+
+
+def _down_kernel(experts_ref, weights_ref, h_ref, w2c_ref, w2s_ref, y_ref, *, k: int, br: int, bfb: int,
+                 method: str, interpret: bool):
+    """Refs: experts, weights [T*k]; h [T*k, F] float32; w2 codes [E, R, F/32, 16] and scales
+    [..., 1]; y [T, R]. Program (token, block of br output rows): the token's k pairs, F / bfb
+    tiles each; these rows are written by this program only."""
+    token, block = pl.program_id(0), pl.program_id(1)
+    rows = pl.ds(pl.multiple_of(block * br, br), br)
+    F = h_ref.shape[1]
+    g, half = bfb // BLOCK, bfb // 2
+    pairs = [token * k + j for j in range(k)]
+    chunks = range(F // bfb)
+    tiles = [[(w2c_ref[experts_ref[p], rows, pl.ds(c * g, g), :], w2s_ref[experts_ref[p], rows, pl.ds(c * g, g), :])
+              for c in chunks] for p in pairs]
+    acc = jnp.zeros((br, half), jnp.float32)
+    for pair, pair_tiles in zip(pairs, tiles):
+        weight = weights_ref[pair]
+        for c, tile in zip(chunks, pair_tiles):
+            h = [weight * h_ref[pair, pl.ds(c * bfb + parity, half, stride=2)] for parity in (0, 1)]
+            acc = _accumulate(acc, tile, h, method, interpret)
+    y_ref[token, rows] = jnp.sum(acc, axis=1).astype(y_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("act", "blocks", "down_blocks", "out_dtype", "interpret"))
+def _fused_moe_mx_split(x, w1, w3, w2, weights, experts, *, act, blocks: MXBlocks, down_blocks: MXBlocks,
+                        out_dtype, interpret: bool):
+    T, R = x.shape
+    k = experts.shape[1]
+    F = w1.shape[1]
+    experts, weights = experts.reshape(-1).astype(jnp.int32), weights.reshape(-1).astype(jnp.float32)
+    common = dict(method=blocks.decode, interpret=interpret)
+    h = pl.pallas_call(
+        functools.partial(_hidden_kernel, k=k, bf=blocks.bn, bk=blocks.bk, act=act, h_dtype=x.dtype, **common),
+        out_shape=jax.ShapeDtypeStruct((T * k, F), jnp.float32),
+        grid=(T * k, F // blocks.bn),
+        compiler_params=_gpu_compiler_params(blocks, interpret),
+        interpret=interpret,
+        name="fused_moe_hidden",
+    )(experts, x.astype(jnp.bfloat16), *_stack_views(w1, False), *_stack_views(w3, False))
+    return pl.pallas_call(
+        functools.partial(_down_kernel, k=k, br=down_blocks.bn, bfb=down_blocks.bk, **common),
+        out_shape=jax.ShapeDtypeStruct((T, R), out_dtype),
+        grid=(T, R // down_blocks.bn),
+        compiler_params=_gpu_compiler_params(down_blocks, interpret),
+        interpret=interpret,
+        name="fused_moe_down",
+    )(experts, weights, h, *_stack_views(w2, False))
+
+
+# Hidden kernel: bn hidden units per program, bk contracted elements per tile (the accumulator's width is
+# bk / 2); down kernel: bn output rows per program, bk hidden units per tile. No loops, so no stages. From
+# the seventh session's sweep at `mini`'s shape (H200, benchmarks/RESULTS.md).
+SPLIT_MOE_BLOCKS = MXBlocks(bm=1, bn=16, bk=512, num_warps=8, num_stages=1, gemv=True)
+SPLIT_MOE_DOWN_BLOCKS = MXBlocks(bm=1, bn=8, bk=256, num_warps=4, num_stages=1, gemv=True)
+SPLIT_MIN_TOKENS = 2  # tokens from which the MoE layer takes these two kernels over the one-kernel MoE
+
+
+def fused_moe_mx_split(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, weights: Array, experts: Array, act, *,
+                       blocks: MXBlocks = SPLIT_MOE_BLOCKS, down_blocks: MXBlocks = SPLIT_MOE_DOWN_BLOCKS,
+                       out_dtype=None, interpret: bool | None = None) -> Array:
+    """``fused_moe_mx``'s result (same arguments; x rounded to bf16 in the kernel) by two kernels.
+    Tiles (shrunk to fit): ``blocks.bn`` hidden units per program (a power of two dividing F),
+    ``blocks.bk`` contracted elements per tile (32 times a power of two, dividing R);
+    ``down_blocks.bn`` output rows per program (a power of two dividing R), ``down_blocks.bk``
+    hidden units per tile (32 times a power of two, dividing F). Each program unrolls its tiles, so
+    R / blocks.bk and k * F / down_blocks.bk set the kernels' code size."""
+    _check_moe_operands(x, w1, w3, w2, weights, experts)
+    E, F, R = w1.shape
+    scale_blocks = lambda n, cap: BLOCK * _largest_pow2_divisor(n // BLOCK, max(cap // BLOCK, 1))
+    blocks = dataclasses.replace(blocks, bn=_largest_pow2_divisor(F, blocks.bn), bk=scale_blocks(R, blocks.bk))
+    down_blocks = dataclasses.replace(down_blocks, bn=_largest_pow2_divisor(R, down_blocks.bn),
+                                      bk=scale_blocks(F, down_blocks.bk))
+    interpret = pallas_interpret() if interpret is None else interpret
+    return _fused_moe_mx_split(x, w1, w3, w2, weights, experts, act=act, blocks=blocks, down_blocks=down_blocks,
+                               out_dtype=jnp.dtype(x.dtype if out_dtype is None else out_dtype), interpret=interpret)
+
+
+__all__ = ["SPLIT_MIN_TOKENS", "SPLIT_MOE_BLOCKS", "SPLIT_MOE_DOWN_BLOCKS", "fused_moe_mx_split"]
