@@ -15,8 +15,6 @@ Each switch turns one change off (module attributes read while a step is traced)
   an XLA op before their down projection, not the matvec kernel's prologue);
 - adds by XLA: ``k3jax.layers.basic.ADD_IN_KERNEL`` False (the residual and shared-expert adds after a
   projection are XLA ops, not the matvec kernel's epilogue);
-- no L2 prefetch: ``k3jax.layers.prefetch.ENABLED`` False (no TMA prefetch of each sub-block's input weights
-  into L2 during the sub-block before it; batch 1 only);
 - serial command buffer: ``k3jax.inference.DECODE_GPU_OPTIONS`` empty (the step's command buffer in
   XLA's default schedule, one kernel after another, not ordered by the buffers they share);
 - one-kernel MoE: ``pallas_kernels.mx_matmul.SPLIT_MIN_TOKENS`` out of reach (the fused MoE as its one
@@ -40,7 +38,7 @@ import k3jax.layers.kda as kda
 import k3jax.model as model_module
 import pallas_kernels.mx_matmul as mx_matmul
 from k3jax import Generator, K3Model, preset, use_implementation
-from k3jax.layers import basic, prefetch
+from k3jax.layers import basic
 from k3jax.layers.mla import MLA
 
 _store = model_module._store_block
@@ -51,7 +49,6 @@ OFF = {  # a change's name -> (owner, attribute, value with the change off)
     "latents by XLA": (MLA, "_write", MLA._write_xla),
     "activation by XLA": (basic, "ACT_PROLOGUE_MAX_WIDTH", 0),
     "adds by XLA": (basic, "ADD_IN_KERNEL", False),
-    "no L2 prefetch": (prefetch, "ENABLED", False),
     "serial command buffer": (inference, "DECODE_GPU_OPTIONS", {}),
     "one-kernel MoE": (mx_matmul, "SPLIT_MIN_TOKENS", 1 << 30),
 }

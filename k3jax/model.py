@@ -16,7 +16,6 @@ buffer [N, B, T, D] with a count, N = ceil(layers / block_size).
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 from typing import NamedTuple
 
@@ -25,8 +24,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import K3Config
-from k3jax.implementation import triton_kernels
-from k3jax.layers import prefetch
 from k3jax.layers.attn_res import AttnRes
 from k3jax.layers.basic import Embed, Keys, Linear, RMSNorm, Rngs
 from k3jax.layers.kda import KDA
@@ -84,11 +81,6 @@ class DecoderLayer(nnx.Module):
         with jax.named_scope("moe" if moe else "mlp"):
             ffn = self.block_sparse_moe if moe else self.mlp
             return ffn(h, norm=self.post_attention_layernorm, residual=residual)
-
-    def input_weights(self) -> list[list[Array]]:
-        """The weights that the attention's and the feed-forward's first projections read, in order."""
-        ffn = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
-        return [self.self_attn.input_weights(), ffn.input_weights()]
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
         """KDA: conv inputs and the float32 state; MLA: the latent cache of max_len positions."""
@@ -233,15 +225,6 @@ class K3Model(nnx.Module):
             cache.append(entries)
         return cache
 
-    def _l2_prefetch(self, tokens: Array, cache: list | None, runs) -> contextlib.AbstractContextManager:
-        """The L2 prefetch plan (``k3jax.layers.prefetch``) of a one-token step over unrolled layers
-        on the Pallas path off TPU (on a GPU, unless ``prefetch.ENABLED`` says otherwise); else none."""
-        if cache is None or tokens.size != 1 or any(repeats > 1 for *_, repeats in runs):
-            return contextlib.nullcontext()
-        if not (triton_kernels() and prefetch.enabled()):
-            return contextlib.nullcontext()
-        return prefetch.l2_prefetch([group for layer in self.layers for group in layer.input_weights()])
-
     def _forward(
         self, tokens: Array, cache: list | None, ctx: Positions | None, scan_layers: bool = True,
         logits_at: Array | None = None,
@@ -257,13 +240,11 @@ class K3Model(nnx.Module):
             carry = x
             step = lambda layer, c, i, lc: layer.residual(c, lc, ctx)
         weights, new_cache = [], []
-        runs = layer_groups(cfg, scan_layers)
-        with self._l2_prefetch(tokens, cache, runs):
-            for g, run in enumerate(runs):
-                caches = cache[g] if cache is not None else [None] * run[1]
-                carry, ys, run_cache = self._run(*run, carry, step, caches)
-                weights.append(ys)
-                new_cache.append(run_cache)
+        for g, run in enumerate(layer_groups(cfg, scan_layers)):
+            caches = cache[g] if cache is not None else [None] * run[1]
+            carry, ys, run_cache = self._run(*run, carry, step, caches)
+            weights.append(ys)
+            new_cache.append(run_cache)
         out_weights = None
         if block:
             blocks, n, partial = carry

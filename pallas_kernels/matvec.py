@@ -249,17 +249,16 @@ def _block_product(x_refs: _XRefs, w_ref, add_refs, o_ref, row0, *, bn: int, bk:
         pltriton.store(o_ref.at[rows, pl.ds(row0, bn)], epilogue(acc[m][None, :], rows, out_mask), mask=out_mask)
 
 
-def _matvecs_kernel(*refs, parts: tuple[_Part, ...], n_adds: tuple[int, ...], n_after: int, bk: int, dot: bool,
+def _matvecs_kernel(*refs, parts: tuple[_Part, ...], n_adds: tuple[int, ...], bk: int, dot: bool,
                     prologue: Prologue):
     """Refs: x [M, D]; act's second input [M, D] (with act), the norm weight [1, D] (with a norm);
-    the weights [N_i, D]; each weight's addends [M, N_i] (n_adds[i] of them), weight by weight; the
-    ``after`` arrays (not read); then the outputs [M, N_i] (whole arrays)."""
+    the weights [N_i, D]; each weight's addends [M, N_i] (n_adds[i] of them), weight by weight; then the
+    outputs [M, N_i] (whole arrays)."""
     uses = (True, prologue.act is not None, prologue.eps is not None)
     refs = list(refs)
     x_refs = _XRefs(*(refs.pop(0) if used else None for used in uses))
     w_refs = [refs.pop(0) for _ in parts]
     add_refs = [[refs.pop(0) for _ in range(n)] for n in n_adds]
-    refs = refs[n_after:]
     program = pl.program_id(0)
     for w_ref, adds, o_ref, part in zip(w_refs, add_refs, refs, parts):
         @pl.when((program >= part.first) & (program < part.first + part.blocks))
@@ -269,7 +268,7 @@ def _matvecs_kernel(*refs, parts: tuple[_Part, ...], n_adds: tuple[int, ...], n_
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtypes", "prologue", "blocks", "interpret"))
-def _matvecs(x, second, norm_weight, weights, adds, after, *, out_dtypes, prologue: Prologue, blocks: MatvecBlocks,
+def _matvecs(x, second, norm_weight, weights, adds, *, out_dtypes, prologue: Prologue, blocks: MatvecBlocks,
              interpret: bool):
     m_rows, depth = x.shape
     min_bn = DOT_ROWS if blocks.dot else 1
@@ -279,14 +278,14 @@ def _matvecs(x, second, norm_weight, weights, adds, after, *, out_dtypes, prolog
                                                              num_stages=blocks.num_stages)
     inputs = [a for a in (second, None if norm_weight is None else norm_weight.reshape(1, -1)) if a is not None]
     return pl.pallas_call(
-        functools.partial(_matvecs_kernel, parts=parts, n_adds=tuple(len(a) for a in adds), n_after=len(after), bk=bk,
-                          dot=blocks.dot, prologue=prologue),
+        functools.partial(_matvecs_kernel, parts=parts, n_adds=tuple(len(a) for a in adds), bk=bk, dot=blocks.dot,
+                          prologue=prologue),
         out_shape=tuple(jax.ShapeDtypeStruct((m_rows, w.shape[0]), d) for w, d in zip(weights, out_dtypes)),
         grid=(parts[-1].first + parts[-1].blocks,),
         compiler_params=params,
         interpret=interpret,
         name="matvecs",
-    )(x, *inputs, *weights, *(a for weight_adds in adds for a in weight_adds), *after)
+    )(x, *inputs, *weights, *(a for weight_adds in adds for a in weight_adds))
 
 
 def _prologue_dtype(x: Array, second: Array | None, prologue: Prologue):
@@ -304,8 +303,8 @@ def _check_dtype(name: str, dtype) -> None:
 
 def matvecs(x: Array, weights: Sequence[Array], out_dtypes: Sequence | None = None, *,
             read_as=None, act: tuple[Callable, Array] | None = None, norm: tuple[Array, float] | None = None,
-            x_dtype=None, add: Sequence[Sequence[Array]] | None = None, after: Sequence[Array] = (),
-            blocks: MatvecBlocks | None = None, interpret: bool | None = None) -> tuple[Array, ...]:
+            x_dtype=None, add: Sequence[Sequence[Array]] | None = None, blocks: MatvecBlocks | None = None,
+            interpret: bool | None = None) -> tuple[Array, ...]:
     """x [M, D] (M <= MAX_ROWS), weights [N_i, D] -> (x' @ W_i^T [M, N_i] in out_dtypes[i], ...),
     x' what the prologue (``Prologue``, in this order) makes of x inside the kernel:
 
@@ -316,10 +315,8 @@ def matvecs(x: Array, weights: Sequence[Array], out_dtypes: Sequence | None = No
 
     bf16 or float32 operands; float32 products and sums, one rounding to the output dtype (default
     x'.dtype). ``add``: per weight, arrays [M, N_i] in its output dtype added to its output in turn,
-    each sum rounded to that dtype (as ``y + a`` would be), so that no XLA add follows the kernel.
-    ``after``: arrays the kernel takes but does not read, so that it runs after their producers (an
-    L2 prefetch's token, ``pallas_kernels.prefetch``). One kernel for all the weights. ``blocks``
-    default: ``DEFAULT_BLOCKS``, read at each call."""
+    each sum rounded to that dtype (as ``y + a`` would be), so that no XLA add follows the kernel. One
+    kernel for all the weights. ``blocks`` default: ``DEFAULT_BLOCKS``, read at each call."""
     weights = tuple(weights)
     if x.ndim != 2 or not 1 <= x.shape[0] <= MAX_ROWS:
         raise ValueError(f"x must be [M, D] with 1 <= M <= {MAX_ROWS}, got shape {x.shape}")
@@ -353,8 +350,8 @@ def matvecs(x: Array, weights: Sequence[Array], out_dtypes: Sequence | None = No
                 raise ValueError(f"addends of output {i} must be [M, N] = {[x.shape[0], w.shape[0]]} in its dtype "
                                  f"{jnp.dtype(dt)}, got {a.shape} {a.dtype}")
     interpret = pallas_interpret() if interpret is None else interpret
-    return _matvecs(x, second, norm_weight, weights, add, tuple(after),
-                    out_dtypes=tuple(jnp.dtype(d) for d in out_dtypes), prologue=prologue, blocks=blocks or DEFAULT_BLOCKS, interpret=interpret)
+    return _matvecs(x, second, norm_weight, weights, add, out_dtypes=tuple(jnp.dtype(d) for d in out_dtypes),
+                    prologue=prologue, blocks=blocks or DEFAULT_BLOCKS, interpret=interpret)
 
 
 __all__ = ["DEFAULT_BLOCKS", "MAX_ROWS", "MatvecBlocks", "Prologue", "matvecs"]

@@ -64,7 +64,7 @@ def test_rms_norm_inside_matches_norm_then_einsum(m, blocks):
 def test_addends_match_rounded_adds(m, blocks):
     """``add``: each output's addends added after its rounding, each sum rounded again, against the
     einsum then ``(y + a).astype(y.dtype)`` in turn (a bf16 and a float32 output with two and one
-    addends of the products' scale; the third output none); an ``after`` operand changes nothing."""
+    addends of the products' scale; the third output none)."""
     depth = 200
     keys = jax.random.split(jax.random.key(20 + m), 7)
     x = jax.random.normal(keys[0], (m, depth), jnp.float32).astype(jnp.bfloat16)
@@ -72,7 +72,7 @@ def test_addends_match_rounded_adds(m, blocks):
     out_dtypes = (jnp.bfloat16, jnp.float32, jnp.float32)
     addend = lambda k, n, dtype: (10.0 * jax.random.normal(k, (m, n), jnp.float32)).astype(dtype)
     add = [[addend(keys[4], 5, jnp.bfloat16), addend(keys[5], 5, jnp.bfloat16)], [addend(keys[6], 20, jnp.float32)], []]
-    outs = matvecs(x, weights, out_dtypes, add=add, after=(jnp.full((7,), jnp.nan),), blocks=blocks)
+    outs = matvecs(x, weights, out_dtypes, add=add, blocks=blocks)
     for out, w, dtype, adds in zip(outs, weights, out_dtypes, add):
         want = _reference(x, w, dtype)
         for a in adds:

@@ -17,7 +17,6 @@ from flax import nnx
 from k3jax.functional.attn_res import DepthMix
 from k3jax.functional.norms import rms_norm
 from k3jax.implementation import triton_kernels
-from k3jax.layers import prefetch
 from k3jax.typing import Array
 
 _HI = jax.lax.Precision.HIGHEST
@@ -158,8 +157,7 @@ def project(x: "Array | DepthMix | Activated", weights: Sequence[Array], dtypes:
     for one row (batch-1 decode) off TPU, one kernel computes them all, x's preparation included
     (``pallas_kernels.matvec``; an ``Activated`` only up to ``ACT_PROLOGUE_MAX_WIDTH``), instead of
     one small kernel each; a mix before them is then computed with the norm in one more small
-    kernel (``pallas_kernels.depth_mix``). Under a step's L2 prefetch plan (``k3jax.layers.prefetch``)
-    the kernel of a sub-block's input weights waits for their prefetch, and the next one starts."""
+    kernel (``pallas_kernels.depth_mix``)."""
     if isinstance(x, DepthMix) and read_as is not None:
         raise ValueError("project: read_as applies to an array or an Activated, not a DepthMix")
     if add and len(weights) != 1:
@@ -168,7 +166,6 @@ def project(x: "Array | DepthMix | Activated", weights: Sequence[Array], dtypes:
     dtypes = [x_dtype] * len(weights) if dtypes is None else list(dtypes)
     kernel = _matvec_kernel_fits(math.prod(x.shape[:-1]), x_dtype, weights, dtypes) and not (
         isinstance(x, Activated) and x.shape[-1] > ACT_PROLOGUE_MAX_WIDTH)
-    after = prefetch.before_matvec(weights, x.partial if isinstance(x, DepthMix) else x) if kernel else ()
     if isinstance(x, DepthMix):
         x, norm = _mixed(x, norm, kernel)
     if kernel:
@@ -178,9 +175,7 @@ def project(x: "Array | DepthMix | Activated", weights: Sequence[Array], dtypes:
         rows, kwargs = _prologue_kwargs(x, norm, read_as, dtypes)
         fused = ADD_IN_KERNEL and all(jnp.dtype(a.dtype) == jnp.dtype(dtypes[0]) for a in add)
         flat_adds = [[a.reshape(rows.shape[0], -1) for a in add]] if fused and add else None
-        ys = matvecs(rows, list(weights), dtypes, add=flat_adds, after=after, **kwargs)
-        prefetch.after_matvec(weights, ys[0])
-        outs = [y.reshape(*lead, y.shape[-1]) for y in ys]
+        outs = [y.reshape(*lead, y.shape[-1]) for y in matvecs(rows, list(weights), dtypes, add=flat_adds, **kwargs)]
         return [add_rounded(outs[0], add)] if add and not fused else outs
     if read_as is not None:
         x = x.astype(read_as) if not isinstance(x, Activated) else Activated(

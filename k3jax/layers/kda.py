@@ -110,12 +110,6 @@ class KDA(nnx.Module):
         rec = jnp.zeros((batch, self.num_heads, self.head_dim, self.head_dim), jnp.float32)
         return KDAState(conv, rec)
 
-    def input_weights(self) -> list[Array]:
-        """The maps that read the layer's input: q, k, v, f_a, beta and the output gate's (first) map."""
-        gate_in = self.g_proj if hasattr(self, "g_proj") else self.g_a_proj
-        maps = (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj, gate_in)
-        return [m.weight[...] for m in maps]
-
     def __call__(
         self, x: Array, state: KDAState | None = None, valid: Array | None = None, norm: RMSNorm | None = None,
         residual: Array | None = None,
@@ -128,7 +122,9 @@ class KDA(nnx.Module):
         state = self.initial_state(B) if state is None else state
         lengths = None if valid is None else jnp.sum(valid, axis=1, dtype=jnp.int32)
         heads = lambda a: a.reshape(B, T, H, K)
-        q, k, v, f_a, beta_logits, gate = project(x, self.input_weights(), norm=norm)
+        gate_in = self.g_proj if hasattr(self, "g_proj") else self.g_a_proj
+        maps = (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj, gate_in)
+        q, k, v, f_a, beta_logits, gate = project(x, [m.weight[...] for m in maps], norm=norm)
         taps = [c.weight[...][:, 0] for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)]
         *qkv, conv = _short_convs((q, k, v), taps, state.conv, lengths)
         q, k, v = (heads(a) for a in qkv)

@@ -46,18 +46,14 @@ class MLA(nnx.Module):
             self.g_proj = lin(dim, H * cfg.v_head_dim)
         self.o_proj = lin(H * cfg.v_head_dim, dim)
 
-    def input_weights(self) -> list[Array]:
-        """The maps that read the layer's input: q_a_proj (or q_proj), kv_a_proj_with_mqa, g_proj."""
-        maps = [self.q_a_proj if self.cfg.q_lora_rank else self.q_proj, self.kv_a_proj_with_mqa]
-        if self.cfg.output_gate:
-            maps.append(self.g_proj)
-        return [m.weight[...] for m in maps]
-
     def inputs(self, x: Array, norm: RMSNorm | None = None) -> tuple[Array, Array, Array | None]:
         """x [B, T, D] (RMS-normed by ``norm`` first, when given) -> the maps that read it, together
         (``project``): (the query input: q_a_proj's or q_proj's output, kv_a_proj_with_mqa's output
         [B, T, R + P], the output gate's logits or None)."""
-        outs = project(x, self.input_weights(), norm=norm)
+        maps = [self.q_a_proj if self.cfg.q_lora_rank else self.q_proj, self.kv_a_proj_with_mqa]
+        if self.cfg.output_gate:
+            maps.append(self.g_proj)
+        outs = project(x, [m.weight[...] for m in maps], norm=norm)
         return outs[0], outs[1], outs[2] if self.cfg.output_gate else None
 
     def queries(self, q_in: Array) -> Array:

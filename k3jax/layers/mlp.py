@@ -30,13 +30,9 @@ class DenseMLP(nnx.Module):
         self.up_proj = Linear(dim, width, rngs=rngs, param_dtype=param_dtype)
         self.down_proj = Linear(width, dim, rngs=rngs, param_dtype=param_dtype)
 
-    def input_weights(self) -> list[Array]:
-        """The maps that read the input: gate_proj and up_proj."""
-        return [self.gate_proj.weight[...], self.up_proj.weight[...]]
-
     def __call__(self, x: Array, norm: RMSNorm | None = None, residual: Array | None = None) -> Array:
         """x [..., D] (RMS-normed by ``norm`` first, when given) -> [..., D], plus ``residual`` when given."""
-        gate, up = project(x, self.input_weights(), norm=norm)
+        gate, up = project(x, [self.gate_proj.weight[...], self.up_proj.weight[...]], norm=norm)
         return self.down(gate, up, () if residual is None else (residual,))
 
     def down(self, gate: Array, up: Array, add: tuple[Array, ...] = ()) -> Array:

@@ -107,16 +107,6 @@ class MoE(nnx.Module):
         return select(logits, self.gate.e_score_correction_bias[...], cfg.experts_per_token, cfg.renormalize,
                       cfg.routed_scaling_factor)
 
-    def input_weights(self) -> list[Array]:
-        """The maps that read the layer's (normed) input: the router (float32 logits), the latent down
-        projection (K3) and the shared experts' gate and up."""
-        weights = [self.gate.weight[...]]
-        if self.cfg.latent_size:
-            weights.append(self.routed_expert_down_proj.weight[...])
-        if self.cfg.num_shared_experts:
-            weights += self.shared_experts.input_weights()
-        return weights
-
     def _inputs(self, flat: Array, norm: RMSNorm | None) -> tuple[Array, Array, list[Array]]:
         """(router logits float32, the routed experts' input, the shared experts' gate and up): the
         maps that read the layer's input, together (``project``)."""
@@ -124,8 +114,12 @@ class MoE(nnx.Module):
             flat = materialize(flat)
             if norm is not None:
                 flat, norm = norm(flat), None
-        weights = self.input_weights()
-        outs = project(flat, weights, [jnp.float32] + [flat.dtype] * (len(weights) - 1), norm)
+        weights, dtypes = [self.gate.weight[...]], [jnp.float32]
+        if self.cfg.latent_size:
+            weights.append(self.routed_expert_down_proj.weight[...])
+        if self.cfg.num_shared_experts:
+            weights += [self.shared_experts.gate_proj.weight[...], self.shared_experts.up_proj.weight[...]]
+        outs = project(flat, weights, dtypes + [flat.dtype] * (len(weights) - 1), norm)
         logits, rest = outs[0], outs[1:]
         if self.cfg.latent_size:
             return logits, rest[0], rest[1:]
