@@ -181,10 +181,13 @@ def test_fused_moe_matches_dense_reference(fused, tokens):
         fused(x, w1, w3, w1, weights, experts, situ)
 
 
-TILED_MOE = {  # several tiles per program: 2 blocks of 64 hidden units, 2 contracted steps of 128, and
-    fused_moe_mx: dict(blocks=MXBlocks(bm=1, bn=64, bk=128, gemv=True), down_rows=16),  # 16 adds of 16 rows
-    fused_moe_mx_split: dict(blocks=MXBlocks(bm=1, bn=64, bk=128, gemv=True),  # 16 blocks of 16 output
-                             down_blocks=MXBlocks(bm=1, bn=16, bk=64, gemv=True)),  # rows, 2 x 3 tiles of 64
+# Several tiles per program. Both forms: 2 blocks of 64 hidden units, 2 contracted steps of 128. One kernel:
+# 16 atomic adds of 16 output rows each; two kernels: 16 blocks of 16 output rows, each summing its token's
+# 3 pairs in 2 tiles of 64 hidden units.
+HIDDEN_TILES = MXBlocks(bm=1, bn=64, bk=128, gemv=True)
+TILED_MOE = {
+    fused_moe_mx: dict(blocks=HIDDEN_TILES, down_rows=16),
+    fused_moe_mx_split: dict(blocks=HIDDEN_TILES, down_blocks=MXBlocks(bm=1, bn=16, bk=64, gemv=True)),
 }
 
 

@@ -8,8 +8,8 @@ from pallas_kernels.mx_matmul.ops import default_blocks, grouped_mx_matmul, mx_m
 from pallas_kernels.mx_matmul.reference import grouped_mx_matmul_reference, mx_matmul_reference
 
 __all__ = [
-    "SPLIT_MIN_TOKENS",
     "MXBlocks",
+    "SPLIT_MIN_TOKENS",
     "default_blocks",
     "fused_moe_mx",
     "fused_moe_mx_split",

@@ -16,7 +16,8 @@ a block of bf hidden units:
    float32 output rows of its token with atomic adds, scaled by the routing weight.
 
 The grid is (pairs, F / bf); programs of one pair read disjoint weights, so every routed weight
-byte is read once per pair. Interpret mode on CPU runs the same body (the decode emulated).
+byte is read once per pair. Interpret mode on CPU runs the same body (the decode emulated). From two
+tokens, where the atomic adds of a token's programs meet, ``moe_split.py`` does the same in two kernels.
 """
 
 from __future__ import annotations
@@ -160,11 +161,11 @@ def fused_moe_mx(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, weights: Ar
     """Routed experts for a few tokens in one kernel: x [T, R] (bf16/f32), MXFP4 stacks w1, w3
     [E, F, R] and w2 [E, R, F], weights float32 [T, k], experts int32 [T, k], act(gate, up) ->
     hidden. Returns sum over the k pairs of weight * expert(x), [T, R] in ``out_dtype`` (default x's
-    dtype; float32 accumulation, so float32 is the sums unrounded). ``blocks.bn`` (hidden units per program, a multiple of 32 dividing F),
-    ``blocks.bk`` (a power of two dividing R) and ``down_rows`` (output rows per atomic add of the
-    down projection) are shrunk to fit."""
+    dtype; float32 accumulation, so float32 is the sums unrounded). ``blocks.bn`` (hidden units per
+    program, a multiple of 32 dividing F), ``blocks.bk`` (a power of two dividing R) and ``down_rows``
+    (output rows per atomic add of the down projection) are shrunk to fit."""
     _check_moe_operands(x, w1, w3, w2, weights, experts)
-    E, F, R = w1.shape
+    _, F, R = w1.shape
     bf = BLOCK * _largest_pow2_divisor(F // BLOCK, max(blocks.bn // BLOCK, 1))
     bk = BLOCK * _largest_pow2_divisor(R // BLOCK, max(blocks.bk // BLOCK, 1))
     br = BLOCK * _largest_pow2_divisor(R // BLOCK, max(down_rows // BLOCK, 1))
