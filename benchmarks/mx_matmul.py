@@ -27,8 +27,9 @@ instructions.
    3072 -> 3584, decode batch 1, 8, 64 and prefill 8192 tokens. Peer: ``jax.lax.ragged_dot`` on
    bf16 weights.
 4. MoE: one layer's routed experts (K3 for 1-8 tokens, `mini` for 1 and 8), the fused one-kernel
-   MoE (``fused_moe_mx``) against the sorted dispatch through the grouped kernel, each timed inside
-   a jitted loop (``--moe-sweep``: the fused kernel's tile configurations too).
+   MoE (``fused_moe_mx``) and two-kernel MoE (``fused_moe_mx_split``) against the sorted dispatch
+   through the grouped kernel, each timed inside a jitted loop (``--moe-sweep``: both fused forms'
+   tile configurations too, at one token).
 
 Each kernel runs a few tile configurations (a failing one is printed and skipped); the best of the
 dot kernels and the best of the one-row gemv kernels (``MXBlocks.gemv``) are reported apart. Times
@@ -62,6 +63,7 @@ from pallas_kernels.mx_matmul import (  # noqa: E402
     MXBlocks,
     default_blocks,
     fused_moe_mx,
+    fused_moe_mx_split,
     grouped_mx_matmul,
     grouped_mx_matmul_reference,
     mx_matmul,
@@ -69,6 +71,7 @@ from pallas_kernels.mx_matmul import (  # noqa: E402
 )
 from pallas_kernels.mx_matmul.kernel import decode_mxfp4_pallas  # noqa: E402
 from pallas_kernels.mx_matmul.moe import FUSED_MOE_BLOCKS, FUSED_MOE_DOWN_ROWS  # noqa: E402
+from pallas_kernels.mx_matmul.moe_split import SPLIT_MOE_BLOCKS, SPLIT_MOE_DOWN_BLOCKS  # noqa: E402
 from pallas_kernels.mx_matmul.ops import _kernel_weight_layout  # noqa: E402
 
 ROWS: list[dict] = []
@@ -472,6 +475,13 @@ MOE_SWEEP = [(dataclasses.replace(FUSED_MOE_BLOCKS, bn=bn, bk=bk, num_warps=nw, 
                  (32, 1024, 256, 4, 2), (32, 1024, 512, 8, 2), (32, 1024, 1024, 8, 2), (32, 512, 256, 4, 1),
                  (32, 1024, 256, 4, 1), (32, 1024, 64, 4, 2), (32, 256, 64, 2, 2), (64, 1024, 256, 8, 2),
                  (64, 512, 128, 4, 2), (32, 1024, 256, 2, 2), (32, 512, 512, 4, 2), (32, 256, 256, 4, 3)]]
+# The two-kernel MoE: (hidden units, contracted elements, warps) of the hidden kernel with the default down
+# kernel, then (output rows, hidden units, warps) of the down kernel with the default hidden kernel
+MOE_SPLIT_SWEEP = (
+    [(dataclasses.replace(SPLIT_MOE_BLOCKS, bn=bn, bk=bk, num_warps=nw), SPLIT_MOE_DOWN_BLOCKS)
+     for bn, bk, nw in [(8, 512, 4), (16, 512, 4), (16, 1024, 8), (32, 512, 8), (32, 1024, 8), (8, 1024, 8)]]
+    + [(SPLIT_MOE_BLOCKS, dataclasses.replace(SPLIT_MOE_DOWN_BLOCKS, bn=bn, bk=bk, num_warps=nw))
+       for bn, bk, nw in [(4, 256, 4), (4, 256, 2), (8, 128, 4), (8, 256, 8), (16, 256, 4), (16, 128, 4)]])
 MOE_LOOP = 20  # calls per jitted loop: small kernels are timed without host dispatch
 
 
@@ -479,9 +489,9 @@ def bench_moe(key, quick: bool, sweep: bool, shapes: tuple[str, ...] = tuple(MOE
     """One MoE layer's routed experts at decode sizes (K3: 896 experts, 16 per token, latent 3584,
     hidden 3072; `mini`: 64, 8, 1024, 768; SiTU): the fused one-kernel MoE against the sorted
     dispatch through the grouped kernel (argsort, gather, three grouped calls, scatter), each
-    repeated ``MOE_LOOP`` times inside one jitted loop. ``sweep``: at one token, the fused kernel's
-    tiles too (``MOE_SWEEP``: hidden units and contracted elements per program, down-projection rows per atomic
-    add, warps)."""
+    repeated ``MOE_LOOP`` times inside one jitted loop. ``sweep``: at one token, the fused kernels'
+    tiles too (``MOE_SWEEP``: hidden units and contracted elements per program, down-projection rows per
+    atomic add, warps; ``MOE_SPLIT_SWEEP``: the two-kernel form's)."""
     for name in shapes:
         (e, f, r, top_k), token_counts = MOE_SHAPES[name]
         print(f"== MoE layer (routed, {name}): {e} experts, top {top_k}, {r} -> {f} -> {r}", flush=True)
@@ -490,9 +500,14 @@ def bench_moe(key, quick: bool, sweep: bool, shapes: tuple[str, ...] = tuple(MOE
         fused = lambda blocks, rows: lambda x, wt, ex, *w: fused_moe_mx(x, *w, wt, ex, situ, blocks=blocks,
                                                                         down_rows=rows)
         matmul = lambda x, w, gs: grouped_mx_matmul(x, w, gs)
+        split = lambda blocks, down: lambda x, wt, ex, *w: fused_moe_mx_split(x, *w, wt, ex, situ, blocks=blocks,
+                                                                               down_blocks=down)
         base = {"pallas sorted dispatch": lambda x, wt, ex, *w: moe_sorted(x, *w, wt, ex, situ, matmul=matmul),
-                "pallas fused MoE (default)": fused(FUSED_MOE_BLOCKS, FUSED_MOE_DOWN_ROWS)}
+                "pallas fused MoE (default)": fused(FUSED_MOE_BLOCKS, FUSED_MOE_DOWN_ROWS),
+                "pallas two-kernel MoE (default)": split(SPLIT_MOE_BLOCKS, SPLIT_MOE_DOWN_BLOCKS)}
         swept = {f"pallas fused MoE {label(b)} rows {rows}": fused(b, rows) for b, rows in MOE_SWEEP}
+        swept |= {f"pallas 2k MoE h {b.bn}x{b.bk} w{b.num_warps} d {d.bn}x{d.bk} w{d.num_warps}": split(b, d)
+                  for b, d in MOE_SPLIT_SWEEP}
         for tokens in token_counts[:2] if quick else token_counts:
             variants = {**base, **swept} if sweep and tokens == 1 else base  # the sweep: batch-1 decode only
             x = jax.random.normal(jax.random.fold_in(kx, tokens), (tokens, r), jnp.float32).astype(jnp.bfloat16)
@@ -535,7 +550,7 @@ def main() -> None:
     parser.add_argument("--skip", default="", help="comma list of sections to skip: check,dense,grouped,moe")
     parser.add_argument("--only", choices=["decode"], help="decode: batch-1 rows only (module docstring)")
     parser.add_argument("--profile", action="store_true", help="one call per decode kernel, for ncu")
-    parser.add_argument("--moe-sweep", action="store_true", help="section moe: the fused MoE's tiles too")
+    parser.add_argument("--moe-sweep", action="store_true", help="section moe: the fused MoEs' tiles too")
     parser.add_argument("--moe-shape", choices=sorted(MOE_SHAPES), action="append",
                         help="section moe: only this layer shape (repeatable; default all)")
     args = parser.parse_args()
