@@ -29,7 +29,10 @@ instructions.
 4. MoE: one layer's routed experts (K3 for 1-8 tokens, `mini` for 1 and 8), the fused one-kernel
    MoE (``fused_moe_mx``) and two-kernel MoE (``fused_moe_mx_split``) against the sorted dispatch
    through the grouped kernel, each timed inside a jitted loop (``--moe-sweep``: both fused forms'
-   tile configurations too, at one token).
+   tile configurations too, at one token). The loop calls the op on the same experts, so their
+   weights stay in L2, and its own small kernels cost about 15 us an iteration on the H200: at one
+   token the rows compare L2-hot kernels near that floor, not the decode step's DRAM-bound MoE
+   (benchmarks/RESULTS.md, eleventh session, runs 9 and 10).
 
 Each kernel runs a few tile configurations (a failing one is printed and skipped); the best of the
 dot kernels and the best of the one-row gemv kernels (``MXBlocks.gemv``) are reported apart. Times
