@@ -18,9 +18,7 @@ Each switch turns one change off (module attributes read while a step is traced)
 - serial command buffer: ``k3jax.inference.DECODE_GPU_OPTIONS`` empty (the step's command buffer in
   XLA's default schedule, one kernel after another, not ordered by the buffers they share);
 - one-kernel MoE: ``pallas_kernels.mx_matmul.SPLIT_MIN_TOKENS`` out of reach (the fused MoE as its one
-  kernel with atomic adds at every batch, not the two kernels from two tokens; ``--batch 8`` shows it);
-- no expert prefetch: ``k3jax.layers.moe.PREFETCH_EXPERTS`` False (no TMA L2 prefetch of the selected
-  experts before the fused MoE kernel).
+  kernel with atomic adds at every batch, not the two kernels from two tokens; ``--batch 8`` shows it).
 Variants: the default, each switch alone, all the changes off. Also prints each variant's first logits
 against the default's (with random bf16 weights the model amplifies float32 summation order).
 """
@@ -38,7 +36,6 @@ from flax import nnx
 import k3jax.inference as inference
 import k3jax.layers.kda as kda
 import k3jax.model as model_module
-import k3jax.layers.moe as moe_layer
 import pallas_kernels.mx_matmul as mx_matmul
 from k3jax import Generator, K3Model, preset, use_implementation
 from k3jax.layers import basic
@@ -54,7 +51,6 @@ OFF = {  # a change's name -> (owner, attribute, value with the change off)
     "adds by XLA": (basic, "ADD_IN_KERNEL", False),
     "serial command buffer": (inference, "DECODE_GPU_OPTIONS", {}),
     "one-kernel MoE": (mx_matmul, "SPLIT_MIN_TOKENS", 1 << 30),
-    "no expert prefetch": (moe_layer, "PREFETCH_EXPERTS", False),
 }
 ORIGINAL = {name: getattr(owner, attribute) for name, (owner, attribute, _) in OFF.items()}
 VARIANTS = {"default": (), **{name: (name,) for name in OFF}, "all off": tuple(OFF)}

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Literal
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -65,22 +64,6 @@ def _fused_decode(w: Array | MXTensor, experts: Array) -> bool:
     from pallas_kernels.mx_matmul import fused_moe_pays
 
     return fused_moe_pays(experts.size, experts.shape[-1], w.shape[1])
-
-
-# The decode MoE's experts asked of DRAM all at once by TMA L2 prefetches (``pallas_kernels.prefetch``) before
-# the fused MoE kernel, which takes their token: None on a GPU, False off.
-PREFETCH_EXPERTS: bool | None = None
-
-
-def _expert_prefetch(stacks: tuple[MXTensor, ...], experts: Array) -> tuple[Array, ...]:
-    """The token of an L2 prefetch of the selected experts' codes and scales (the stacks' TMA-able
-    parts; `mini`'s w2 scales, 24 bytes a row, are not), or () where ``PREFETCH_EXPERTS`` says no."""
-    if not (jax.default_backend() == "gpu" if PREFETCH_EXPERTS is None else PREFETCH_EXPERTS):
-        return ()
-    from pallas_kernels.prefetch import prefetch_experts_l2, prefetchable
-
-    arrays = [a for w in stacks for a in (w.codes, w.scales) if prefetchable(a)]
-    return (prefetch_experts_l2(arrays, experts),) if arrays else ()
 
 
 def _dense(w: Array | MXTensor, dtype) -> Array:
@@ -160,8 +143,7 @@ class MoE(nnx.Module):
             fused = mx_matmul.fused_moe_mx_split if B * T >= mx_matmul.SPLIT_MIN_TOKENS else mx_matmul.fused_moe_mx
             # with a latent, the up projection's kernel rounds the float32 sums itself (``read_as``)
             y = fused(z, w1, w3, w2, weights, experts, self.act,
-                      out_dtype=jnp.float32 if self.cfg.latent_size else None,
-                      after=_expert_prefetch((w1, w3, w2), experts))
+                      out_dtype=jnp.float32 if self.cfg.latent_size else None)
         elif self.dispatch == "sorted":
             y = moe_sorted(z, w1, w3, w2, weights, experts, self.act, matmul=_expert_matmul)
         else:

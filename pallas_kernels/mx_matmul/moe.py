@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -57,12 +56,11 @@ def _one_row_products(codes_at, scales_at, x_ref, token, n_steps: int, bk: int, 
 
 
 def _fused_moe_kernel(experts_ref, weights_ref, x_ref, w1c_ref, w1s_ref, w3c_ref, w3s_ref,
-                      w2c_ref, w2s_ref, y_init_ref, *rest, k: int, bf: int, bk: int, br: int, act,
+                      w2c_ref, w2s_ref, y_init_ref, y_ref, *, k: int, bf: int, bk: int, br: int, act,
                       h_dtype, method: str, interpret: bool):
     """Refs: experts, weights [T*k]; x [T, R] bf16; w1, w3 codes [E, F/2, 2, R/32, 16] and scales
-    [..., 1]; w2 codes [E, R, F/32, 16] and scales [..., 1]; y_init [T, R] float32 zeros; the
-    ``after`` arrays (not read); y (aliased to y_init). Program (pair, block of bf hidden units)."""
-    y_ref = rest[-1]
+    [..., 1]; w2 codes [E, R, F/32, 16] and scales [..., 1]; y [T, R] float32 (aliased to y_init,
+    zeros). Program (pair, block of bf hidden units)."""
     pair, block = pl.program_id(0), pl.program_id(1)
     expert, token, weight = experts_ref[pair], pair // k, weights_ref[pair]
     R = x_ref.shape[1]
@@ -102,7 +100,7 @@ def _stack_views(w: MXTensor, rows_in_pairs: bool) -> tuple[Array, Array]:
 
 
 @functools.partial(jax.jit, static_argnames=("act", "blocks", "bf", "br", "out_dtype", "interpret"))
-def _fused_moe_mx(x, w1, w3, w2, weights, experts, after, *, act, blocks, bf, br, out_dtype, interpret):
+def _fused_moe_mx(x, w1, w3, w2, weights, experts, *, act, blocks, bf, br, out_dtype, interpret):
     T, R = x.shape
     k = experts.shape[1]
     F = w1.shape[1]
@@ -118,8 +116,7 @@ def _fused_moe_mx(x, w1, w3, w2, weights, experts, after, *, act, blocks, bf, br
         interpret=interpret,
         name="fused_moe_mx",
     )(experts.reshape(-1).astype(jnp.int32), weights.reshape(-1).astype(jnp.float32), xb,
-      *_stack_views(w1, True), *_stack_views(w3, True), *_stack_views(w2, False), jnp.zeros((T, R), jnp.float32),
-      *after)
+      *_stack_views(w1, True), *_stack_views(w3, True), *_stack_views(w2, False), jnp.zeros((T, R), jnp.float32))
     return y.astype(out_dtype)
 
 
@@ -160,24 +157,22 @@ def _check_moe_operands(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, weig
 
 def fused_moe_mx(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, weights: Array, experts: Array, act, *,
                  blocks: MXBlocks = FUSED_MOE_BLOCKS, down_rows: int = FUSED_MOE_DOWN_ROWS, out_dtype=None,
-                 after: Sequence[Array] = (), interpret: bool | None = None) -> Array:
+                 interpret: bool | None = None) -> Array:
     """Routed experts for a few tokens in one kernel: x [T, R] (bf16/f32), MXFP4 stacks w1, w3
     [E, F, R] and w2 [E, R, F], weights float32 [T, k], experts int32 [T, k], act(gate, up) ->
     hidden. Returns sum over the k pairs of weight * expert(x), [T, R] in ``out_dtype`` (default x's
     dtype; float32 accumulation, so float32 is the sums unrounded). ``blocks.bn`` (hidden units per
     program, a multiple of 32 dividing F), ``blocks.bk`` (a power of two dividing R) and ``down_rows``
-    (output rows per atomic add of the down projection) are shrunk to fit. ``after``: arrays the
-    kernel takes but does not read, so that it runs after their producers (the token of an L2
-    prefetch of the experts, ``pallas_kernels.prefetch``)."""
+    (output rows per atomic add of the down projection) are shrunk to fit."""
     _check_moe_operands(x, w1, w3, w2, weights, experts)
     _, F, R = w1.shape
     bf = BLOCK * _largest_pow2_divisor(F // BLOCK, max(blocks.bn // BLOCK, 1))
     bk = BLOCK * _largest_pow2_divisor(R // BLOCK, max(blocks.bk // BLOCK, 1))
     br = BLOCK * _largest_pow2_divisor(R // BLOCK, max(down_rows // BLOCK, 1))
     interpret = pallas_interpret() if interpret is None else interpret
-    return _fused_moe_mx(x, w1, w3, w2, weights, experts, tuple(after), act=act,
-                         blocks=dataclasses.replace(blocks, bk=bk), bf=bf, br=br,
-                         out_dtype=jnp.dtype(x.dtype if out_dtype is None else out_dtype), interpret=interpret)
+    return _fused_moe_mx(x, w1, w3, w2, weights, experts, act=act, blocks=dataclasses.replace(blocks, bk=bk),
+                         bf=bf, br=br, out_dtype=jnp.dtype(x.dtype if out_dtype is None else out_dtype),
+                         interpret=interpret)
 
 
 __all__ = ["FUSED_MOE_BLOCKS", "FUSED_MOE_DOWN_ROWS", "FUSED_MOE_MAX_ADDERS", "FUSED_MOE_MAX_PAIRS", "fused_moe_mx",

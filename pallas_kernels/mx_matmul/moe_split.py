@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -47,12 +46,10 @@ def _accumulate(acc: Array, tile: tuple[Array, Array], vectors: tuple[Array, Arr
     return acc
 
 
-def _hidden_kernel(experts_ref, x_ref, w1c_ref, w1s_ref, w3c_ref, w3s_ref, *rest, k: int, bf: int, bk: int,
+def _hidden_kernel(experts_ref, x_ref, w1c_ref, w1s_ref, w3c_ref, w3s_ref, h_ref, *, k: int, bf: int, bk: int,
                    act, h_dtype, method: str, interpret: bool):
-    """Refs: experts [T*k]; x [T, R] bf16; w1, w3 codes [E, F, R/32, 16] and scales [..., 1]; the
-    ``after`` arrays (not read); h [T*k, F] float32. Program (pair, block of bf hidden units): R / bk
-    tiles of bk contracted elements."""
-    h_ref = rest[-1]
+    """Refs: experts [T*k]; x [T, R] bf16; w1, w3 codes [E, F, R/32, 16] and scales [..., 1]; h [T*k, F]
+    float32. Program (pair, block of bf hidden units): R / bk tiles of bk contracted elements."""
     pair, block = pl.program_id(0), pl.program_id(1)
     expert, token = experts_ref[pair], pair // k
     R = x_ref.shape[1]
@@ -95,7 +92,7 @@ def _down_kernel(experts_ref, weights_ref, h_ref, w2c_ref, w2s_ref, y_ref, *, k:
 
 
 @functools.partial(jax.jit, static_argnames=("act", "blocks", "down_blocks", "out_dtype", "interpret"))
-def _fused_moe_mx_split(x, w1, w3, w2, weights, experts, after, *, act, blocks: MXBlocks, down_blocks: MXBlocks,
+def _fused_moe_mx_split(x, w1, w3, w2, weights, experts, *, act, blocks: MXBlocks, down_blocks: MXBlocks,
                         out_dtype, interpret: bool):
     T, R = x.shape
     k = experts.shape[1]
@@ -109,7 +106,7 @@ def _fused_moe_mx_split(x, w1, w3, w2, weights, experts, after, *, act, blocks: 
         compiler_params=_gpu_compiler_params(blocks, interpret),
         interpret=interpret,
         name="fused_moe_hidden",
-    )(experts, x.astype(jnp.bfloat16), *_stack_views(w1, False), *_stack_views(w3, False), *after)
+    )(experts, x.astype(jnp.bfloat16), *_stack_views(w1, False), *_stack_views(w3, False))
     return pl.pallas_call(
         functools.partial(_down_kernel, k=k, br=down_blocks.bn, bfb=down_blocks.bk, **common),
         out_shape=jax.ShapeDtypeStruct((T, R), out_dtype),
@@ -130,9 +127,8 @@ SPLIT_MIN_TOKENS = 2  # tokens from which the MoE layer takes these two kernels 
 
 def fused_moe_mx_split(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, weights: Array, experts: Array, act, *,
                        blocks: MXBlocks = SPLIT_MOE_BLOCKS, down_blocks: MXBlocks = SPLIT_MOE_DOWN_BLOCKS,
-                       out_dtype=None, after: Sequence[Array] = (), interpret: bool | None = None) -> Array:
-    """``fused_moe_mx``'s result (same arguments, ``after`` taken by the first kernel; x rounded to
-    bf16 in the kernel) by two kernels.
+                       out_dtype=None, interpret: bool | None = None) -> Array:
+    """``fused_moe_mx``'s result (same arguments; x rounded to bf16 in the kernel) by two kernels.
     Tiles (shrunk to fit): ``blocks.bn`` hidden units per program (a power of two dividing F),
     ``blocks.bk`` contracted elements per tile (32 times a power of two, dividing R);
     ``down_blocks.bn`` output rows per program (a power of two dividing R), ``down_blocks.bk``
@@ -145,8 +141,8 @@ def fused_moe_mx_split(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, weigh
     down_blocks = dataclasses.replace(down_blocks, bn=_largest_pow2_divisor(R, down_blocks.bn),
                                       bk=scale_blocks(F, down_blocks.bk))
     interpret = pallas_interpret() if interpret is None else interpret
-    return _fused_moe_mx_split(x, w1, w3, w2, weights, experts, tuple(after), act=act, blocks=blocks,
-                               down_blocks=down_blocks, out_dtype=jnp.dtype(x.dtype if out_dtype is None else out_dtype), interpret=interpret)
+    return _fused_moe_mx_split(x, w1, w3, w2, weights, experts, act=act, blocks=blocks, down_blocks=down_blocks,
+                               out_dtype=jnp.dtype(x.dtype if out_dtype is None else out_dtype), interpret=interpret)
 
 
 __all__ = ["SPLIT_MIN_TOKENS", "SPLIT_MOE_BLOCKS", "SPLIT_MOE_DOWN_BLOCKS", "fused_moe_mx_split"]
