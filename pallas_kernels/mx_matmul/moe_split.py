@@ -14,9 +14,10 @@ Each program's tiles are straight-line code that loads every tile first and accu
 elementwise, float32 [rows, tile width / 2], reducing across threads once at the end: a
 cross-thread reduction puts a barrier in the program, and no load is issued ahead of a barrier, so
 a reduction per tile would make every tile a DRAM round trip of its own. Every routed weight byte is
-read once per pair. Measured on the H200 (benchmarks/RESULTS.md, seventh session, `mini`'s shape):
-a tie with the one-kernel MoE at 1 token, 67.2 against 78.4-79.9 us at 8 tokens, where the one
-kernel's atomic adds from k * F / bf programs meet on each token's output rows.
+read once per pair, and each output sum is made in one order (the step repeats bitwise). Measured
+on the H200 (benchmarks/RESULTS.md, eleventh session): the `mini` decode step 6-8% faster than with
+the one-kernel MoE at 2, 4 and 8 tokens, where the one kernel's atomic adds from k * F / bf programs
+meet on each token's output rows; a tie at one token, which keeps the one kernel.
 """
 
 from __future__ import annotations
@@ -80,8 +81,9 @@ def _down_kernel(experts_ref, weights_ref, h_ref, w2c_ref, w2s_ref, y_ref, *, k:
     g, half = bfb // BLOCK, bfb // 2
     pairs = [token * k + j for j in range(k)]
     chunks = range(F // bfb)
-    tiles = [[(w2c_ref[experts_ref[p], rows, pl.ds(c * g, g), :], w2s_ref[experts_ref[p], rows, pl.ds(c * g, g), :])
-              for c in chunks] for p in pairs]
+    experts = [experts_ref[p] for p in pairs]
+    tiles = [[(w2c_ref[e, rows, pl.ds(c * g, g), :], w2s_ref[e, rows, pl.ds(c * g, g), :]) for c in chunks]
+             for e in experts]
     acc = jnp.zeros((br, half), jnp.float32)
     for pair, pair_tiles in zip(pairs, tiles):
         weight = weights_ref[pair]
