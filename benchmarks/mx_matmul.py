@@ -74,7 +74,7 @@ from pallas_kernels.mx_matmul import (  # noqa: E402
 )
 from pallas_kernels.mx_matmul.kernel import decode_mxfp4_pallas  # noqa: E402
 from pallas_kernels.mx_matmul.moe import FUSED_MOE_BLOCKS, FUSED_MOE_DOWN_ROWS  # noqa: E402
-from pallas_kernels.mx_matmul.moe_split import SPLIT_MOE_BLOCKS, SPLIT_MOE_DOWN_BLOCKS  # noqa: E402
+from pallas_kernels.mx_matmul.moe_split import SPLIT_MOE_BLOCKS, SPLIT_MOE_DOWN_BLOCKS_ONE_TOKEN  # noqa: E402
 from pallas_kernels.mx_matmul.ops import _kernel_weight_layout  # noqa: E402
 
 ROWS: list[dict] = []
@@ -478,13 +478,13 @@ MOE_SWEEP = [(dataclasses.replace(FUSED_MOE_BLOCKS, bn=bn, bk=bk, num_warps=nw, 
                  (32, 1024, 256, 4, 2), (32, 1024, 512, 8, 2), (32, 1024, 1024, 8, 2), (32, 512, 256, 4, 1),
                  (32, 1024, 256, 4, 1), (32, 1024, 64, 4, 2), (32, 256, 64, 2, 2), (64, 1024, 256, 8, 2),
                  (64, 512, 128, 4, 2), (32, 1024, 256, 2, 2), (32, 512, 512, 4, 2), (32, 256, 256, 4, 3)]]
-# The two-kernel MoE: (hidden units, contracted elements, warps) of the hidden kernel with the default down
-# kernel, then (output rows, hidden units, warps) of the down kernel with the default hidden kernel
+# The two-kernel MoE at one token: (hidden units, contracted elements, warps) of the hidden kernel with the
+# default down kernel, then (output rows, hidden units, warps) of the down kernel with the default hidden kernel
 MOE_SPLIT_SWEEP = (
-    [(dataclasses.replace(SPLIT_MOE_BLOCKS, bn=bn, bk=bk, num_warps=nw), SPLIT_MOE_DOWN_BLOCKS)
+    [(dataclasses.replace(SPLIT_MOE_BLOCKS, bn=bn, bk=bk, num_warps=nw), SPLIT_MOE_DOWN_BLOCKS_ONE_TOKEN)
      for bn, bk, nw in [(8, 512, 4), (16, 512, 4), (16, 1024, 8), (32, 512, 8), (32, 1024, 8), (8, 1024, 8)]]
-    + [(SPLIT_MOE_BLOCKS, dataclasses.replace(SPLIT_MOE_DOWN_BLOCKS, bn=bn, bk=bk, num_warps=nw))
-       for bn, bk, nw in [(4, 256, 4), (4, 256, 2), (8, 128, 4), (8, 256, 8), (16, 256, 4), (16, 128, 4)]])
+    + [(SPLIT_MOE_BLOCKS, dataclasses.replace(SPLIT_MOE_DOWN_BLOCKS_ONE_TOKEN, bn=bn, bk=bk, num_warps=nw))
+       for bn, bk, nw in [(1, 256, 1), (2, 256, 2), (4, 256, 4), (8, 256, 4), (1, 128, 2), (2, 128, 2)]])
 MOE_LOOP = 20  # calls per jitted loop: small kernels are timed without host dispatch
 
 
@@ -507,7 +507,7 @@ def bench_moe(key, quick: bool, sweep: bool, shapes: tuple[str, ...] = tuple(MOE
                                                                                down_blocks=down)
         base = {"pallas sorted dispatch": lambda x, wt, ex, *w: moe_sorted(x, *w, wt, ex, situ, matmul=matmul),
                 "pallas fused MoE (default)": fused(FUSED_MOE_BLOCKS, FUSED_MOE_DOWN_ROWS),
-                "pallas two-kernel MoE (default)": split(SPLIT_MOE_BLOCKS, SPLIT_MOE_DOWN_BLOCKS)}
+                "pallas two-kernel MoE (default)": split(SPLIT_MOE_BLOCKS, None)}
         swept = {f"pallas fused MoE {label(b)} rows {rows}": fused(b, rows) for b, rows in MOE_SWEEP}
         swept |= {f"pallas 2k MoE h {b.bn}x{b.bk} w{b.num_warps} d {d.bn}x{d.bk} w{d.num_warps}": split(b, d)
                   for b, d in MOE_SPLIT_SWEEP}

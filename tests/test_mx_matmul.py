@@ -212,14 +212,15 @@ def test_fused_moe_tiles_and_repeated_experts(fused, dtype):
     np.testing.assert_array_equal(np.float32(sums.astype(dtype)), np.float32(out))  # the same sums, unrounded
 
 
-@pytest.mark.parametrize("fused", [fused_moe_mx, fused_moe_mx_split])
-def test_fused_moe_lowers_for_cuda_through_triton(fused):
-    """Pallas' Triton lowering of the fused MoE (x's even / odd columns by strided loads), on the CPU."""
+@pytest.mark.parametrize("fused,tokens", [(fused_moe_mx, 2), (fused_moe_mx_split, 1), (fused_moe_mx_split, 2)])
+def test_fused_moe_lowers_for_cuda_through_triton(fused, tokens):
+    """Pallas' Triton lowering of the fused MoE (x's even / odd columns by strided loads), on the CPU; the
+    two kernels at one token with their one-token down tiles (one output row per program)."""
     E, F, R, k = 4, 64, 256, 2
     w1, w2 = MXTensor.quantize(jnp.ones((E, F, R))), MXTensor.quantize(jnp.ones((E, R, F)))
     fn = lambda x, weights, experts: fused(x, w1, w1, w2, weights, experts, situ, interpret=False)
-    args = [jax.ShapeDtypeStruct((2, R), jnp.bfloat16), jax.ShapeDtypeStruct((2, k), jnp.float32),
-            jax.ShapeDtypeStruct((2, k), jnp.int32)]
+    args = [jax.ShapeDtypeStruct((tokens, R), jnp.bfloat16), jax.ShapeDtypeStruct((tokens, k), jnp.float32),
+            jax.ShapeDtypeStruct((tokens, k), jnp.int32)]
     assert "xla.gpu.triton" in jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 

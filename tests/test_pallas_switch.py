@@ -70,7 +70,7 @@ def test_kda_layer_ragged_rows():
 
 
 # (3, 1): 6 (token, expert) pairs, the fused decode MoE's two kernels; (5, 7): 70, sorted; (1, 1): one
-# row, the one-kernel fused MoE, the input maps (norm, router, latent, shared gate and up) in one matvec
+# row, the two kernels with one output row per down program, the input maps (norm, router, latent, shared gate and up) in one matvec
 # kernel, and the latent norm and up projection in another
 @pytest.mark.parametrize("tokens", [(3, 1), (5, 7), (1, 1)])
 def test_moe_layer_with_packed_experts(tokens):

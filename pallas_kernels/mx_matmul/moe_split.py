@@ -15,9 +15,11 @@ elementwise, float32 [rows, tile width / 2], reducing across threads once at the
 cross-thread reduction puts a barrier in the program, and no load is issued ahead of a barrier, so
 a reduction per tile would make every tile a DRAM round trip of its own. Every routed weight byte is
 read once per pair, and each output sum is made in one order (the step repeats bitwise). Measured
-on the H200 (benchmarks/RESULTS.md, eleventh session): the `mini` decode step 6-8% faster than with
-the one-kernel MoE at 2, 4 and 8 tokens, where the one kernel's atomic adds from k * F / bf programs
-meet on each token's output rows; a tie at one token, which keeps the one kernel.
+on the H200 (benchmarks/RESULTS.md, eleventh and twelfth sessions): the `mini` decode step 6-8%
+faster than with the one-kernel MoE at 2, 4 and 8 tokens, where the one kernel's atomic adds from
+k * F / bf programs meet on each token's output rows; at one token, with one output row per down
+program, 12% faster than the one kernel per MoE layer with the weights coming from DRAM (15.2
+against 17.2 us) and 0.885 against 0.902 ms per step.
 """
 
 from __future__ import annotations
@@ -124,20 +126,26 @@ def _fused_moe_mx_split(x, w1, w3, w2, weights, experts, *, act, blocks: MXBlock
 # the seventh session's sweep at `mini`'s shape (H200, benchmarks/RESULTS.md).
 SPLIT_MOE_BLOCKS = MXBlocks(bm=1, bn=16, bk=512, num_warps=8, num_stages=1, gemv=True)
 SPLIT_MOE_DOWN_BLOCKS = MXBlocks(bm=1, bn=8, bk=256, num_warps=4, num_stages=1, gemv=True)
-SPLIT_MIN_TOKENS = 2  # tokens from which the MoE layer takes these two kernels over the one-kernel MoE
+# One token: one output row per down program (1024 programs at `mini`), from the twelfth session's sweep
+# with the weights from DRAM (15.2 us a layer against 16.0 with the tiles above; at 8 tokens 79.9 against 63.5).
+SPLIT_MOE_DOWN_BLOCKS_ONE_TOKEN = MXBlocks(bm=1, bn=1, bk=256, num_warps=2, num_stages=1, gemv=True)
+SPLIT_MIN_TOKENS = 1  # tokens from which the MoE layer takes these two kernels over the one-kernel MoE
 
 
 def fused_moe_mx_split(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, weights: Array, experts: Array, act, *,
-                       blocks: MXBlocks = SPLIT_MOE_BLOCKS, down_blocks: MXBlocks = SPLIT_MOE_DOWN_BLOCKS,
+                       blocks: MXBlocks = SPLIT_MOE_BLOCKS, down_blocks: MXBlocks | None = None,
                        out_dtype=None, interpret: bool | None = None) -> Array:
     """``fused_moe_mx``'s result (same arguments; x rounded to bf16 in the kernel) by two kernels.
     Tiles (shrunk to fit): ``blocks.bn`` hidden units per program (a power of two dividing F),
     ``blocks.bk`` contracted elements per tile (32 times a power of two, dividing R);
     ``down_blocks.bn`` output rows per program (a power of two dividing R), ``down_blocks.bk``
-    hidden units per tile (32 times a power of two, dividing F). Each program unrolls its tiles, so
-    R / blocks.bk and k * F / down_blocks.bk set the kernels' code size."""
+    hidden units per tile (32 times a power of two, dividing F); by default
+    ``SPLIT_MOE_DOWN_BLOCKS_ONE_TOKEN`` for one token, else ``SPLIT_MOE_DOWN_BLOCKS``. Each program
+    unrolls its tiles, so R / blocks.bk and k * F / down_blocks.bk set the kernels' code size."""
     _check_moe_operands(x, w1, w3, w2, weights, experts)
     _, F, R = w1.shape
+    if down_blocks is None:
+        down_blocks = SPLIT_MOE_DOWN_BLOCKS_ONE_TOKEN if x.shape[0] == 1 else SPLIT_MOE_DOWN_BLOCKS
     scale_blocks = lambda n, cap: BLOCK * _largest_pow2_divisor(n // BLOCK, max(cap // BLOCK, 1))
     blocks = dataclasses.replace(blocks, bn=_largest_pow2_divisor(F, blocks.bn), bk=scale_blocks(R, blocks.bk))
     down_blocks = dataclasses.replace(down_blocks, bn=_largest_pow2_divisor(R, down_blocks.bn),
@@ -147,4 +155,5 @@ def fused_moe_mx_split(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, weigh
                                out_dtype=jnp.dtype(x.dtype if out_dtype is None else out_dtype), interpret=interpret)
 
 
-__all__ = ["SPLIT_MIN_TOKENS", "SPLIT_MOE_BLOCKS", "SPLIT_MOE_DOWN_BLOCKS", "fused_moe_mx_split"]
+__all__ = ["SPLIT_MIN_TOKENS", "SPLIT_MOE_BLOCKS", "SPLIT_MOE_DOWN_BLOCKS", "SPLIT_MOE_DOWN_BLOCKS_ONE_TOKEN",
+           "fused_moe_mx_split"]
