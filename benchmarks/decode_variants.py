@@ -18,7 +18,7 @@ Each switch turns one change off (module attributes read while a step is traced)
 - serial command buffer: ``k3jax.inference.DECODE_GPU_OPTIONS`` empty (the step's command buffer in
   XLA's default schedule, one kernel after another, not ordered by the buffers they share);
 - one-kernel MoE: ``pallas_kernels.mx_matmul.SPLIT_MIN_TOKENS`` out of reach (the fused MoE as its one
-  kernel with atomic adds at every batch, not the two kernels from two tokens; ``--batch 8`` shows it).
+  kernel with atomic adds at every batch, not the two kernels without atomics).
 Variants: the default, each switch alone, all the changes off. Also prints each variant's first logits
 against the default's (with random bf16 weights the model amplifies float32 summation order).
 """
