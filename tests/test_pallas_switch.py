@@ -90,8 +90,9 @@ def test_moe_layer_with_packed_experts(tokens):
 
 
 def test_mla_layer_decode_one_row():
-    """A batch-1 MLA decode step: the normed input's maps (q_a, kv_a, output gate) in one matvec
-    kernel and q_a_layernorm + q_b_proj in another, against the reference path."""
+    """A batch-1 MLA prefill chunk (the flash-attention kernel) and decode step: the normed input's maps
+    (q_a, kv_a, output gate) in one matvec kernel and q_a_layernorm + q_b_proj in another, against the
+    reference path."""
     cfg = preset("tiny")
     layer = MLA(cfg.hidden_size, cfg.mla, rngs=nnx.Rngs(7))
     norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -109,3 +110,23 @@ def test_mla_layer_decode_one_row():
     ref, pal = both(run, params, x)
     for a, b in zip(ref, pal):
         assert rel_err(b, a) < 5e-3
+
+
+def test_mla_layer_prefill_chunks():
+    """Two prefill chunks of a batch whose sequences start at positions 0 and 3, the second chunk read
+    through a window: the flash-attention kernel over expanded keys against the absorbed form."""
+    cfg = preset("tiny")
+    layer = MLA(cfg.hidden_size, cfg.mla, rngs=nnx.Rngs(10))
+    graph, params = nnx.split(layer)
+    x = 2.0 * jax.random.normal(jax.random.key(11), (2, 14, cfg.hidden_size))
+
+    def run(params, x):
+        m = nnx.merge(graph, params)
+        cache, start = m.init_cache(2, 24), jnp.array([0, 3], jnp.int32)
+        y, cache = m.extend(x[:, :7], cache, start)
+        z, cache = m.extend(x[:, 7:], cache, start + 7, window=16)
+        return y, z, cache.c_kv
+
+    ref, pal = both(run, params, x)
+    for a, b in zip(ref, pal):
+        assert rel_err(b, a) < 1e-4

@@ -33,6 +33,15 @@ def causal_attention(q: Array, k: Array, v: Array, scale: float) -> Array:
     return _matmul("bhts,bshv->bthv", probs, v, dtype)
 
 
+def mla_expand(c_kv_normed: Array, kv_b: Array, num_heads: int, nope_dim: int) -> tuple[Array, Array]:
+    """The latent's per-head key and value parts: c_kv_normed [B, S, R] (after kv_a_layernorm), kv_b
+    [H*(nope+V), R] (per head: k_nope rows then v rows) -> k_nope [B, S, H, nope], v [B, S, H, V], in
+    c_kv_normed's dtype."""
+    B, S, _ = c_kv_normed.shape
+    kv = jnp.einsum("bsr,or->bso", c_kv_normed, kv_b, precision=_HI).reshape(B, S, num_heads, -1)
+    return kv[..., :nope_dim], kv[..., nope_dim:]
+
+
 def mla_keys_values(c_kv_normed: Array, k_pe: Array, kv_b: Array, num_heads: int, nope_dim: int) -> tuple[Array, Array]:
     """Expand the latent into per-head keys and values.
 
@@ -40,8 +49,7 @@ def mla_keys_values(c_kv_normed: Array, k_pe: Array, kv_b: Array, num_heads: int
     kv_b [H*(nope+V), R] (per head: k_nope rows then v rows). Returns k [B, S, H, nope+P], v [B, S, H, V].
     """
     B, S, _ = c_kv_normed.shape
-    kv = jnp.einsum("bsr,or->bso", c_kv_normed, kv_b, precision=_HI).reshape(B, S, num_heads, -1)
-    k_nope, v = kv[..., :nope_dim], kv[..., nope_dim:]
+    k_nope, v = mla_expand(c_kv_normed, kv_b, num_heads, nope_dim)
     k_pe = jnp.broadcast_to(k_pe[:, :, None, :], (B, S, num_heads, k_pe.shape[-1]))
     return jnp.concatenate([k_nope, k_pe.astype(k_nope.dtype)], axis=-1), v
 
@@ -69,4 +77,4 @@ def absorbed_attention(
     return _matmul("bthr,hvr->bthv", o_lat, w_uv, dtype)
 
 
-__all__ = ["causal_attention", "mla_keys_values", "absorbed_attention"]
+__all__ = ["causal_attention", "mla_expand", "mla_keys_values", "absorbed_attention"]

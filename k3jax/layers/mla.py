@@ -1,5 +1,7 @@
 """Gated multi-head latent attention (spec section 4) as a Flax NNX module: the expanded full-sequence
-form (``__call__``) and the absorbed form over a latent cache (``extend``, for prefill chunks and decode)."""
+form (``__call__``) and the form over a latent cache (``extend``): absorbed for decode steps (and
+prefill chunks on the reference path), expanded keys with a flash-attention kernel for prefill chunks
+on the Pallas path."""
 
 from __future__ import annotations
 
@@ -10,8 +12,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import MLAConfig
-from k3jax.functional.mla import absorbed_attention, causal_attention, mla_keys_values
-from k3jax.implementation import triton_kernels
+from k3jax.functional.mla import absorbed_attention, causal_attention, mla_expand, mla_keys_values
+from k3jax.implementation import pallas_interpret, triton_kernels
 from k3jax.layers.basic import Linear, RMSNorm, Rngs, project
 from k3jax.typing import Array
 
@@ -102,7 +104,9 @@ class MLA(nnx.Module):
 
     def extend(self, x: Array, cache: MLACache, start: Array, window: int | None = None,
                norm: RMSNorm | None = None, residual: Array | None = None) -> tuple[Array, MLACache]:
-        """New tokens x [B, T, D] at positions start[b] + t against the cache, in the absorbed form.
+        """New tokens x [B, T, D] at positions start[b] + t against the cache: in the absorbed form, or
+        for T > 1 on the Pallas path (``_prefill_kernel``) over keys and values expanded from the
+        cache's latents by ``pallas_kernels.prefill_attention``, which does not materialize scores.
 
         Writes the new latents into the cache (positions past its end are dropped), then attends
         every query to the cached positions at or before its own. Padding after a sequence's last
@@ -116,12 +120,31 @@ class MLA(nnx.Module):
         pos = start[:, None] + jnp.arange(x.shape[1])  # [B, T]
         cache = self._write(c, cache, pos)
         keys = MLACache(cache.c_kv[:, :window], cache.k_pe[:, :window])  # [:None] is everything
-        visible = jnp.arange(keys.c_kv.shape[1])[None, None, :] <= pos[:, :, None]  # [B, T, S]
         q = self.queries(q_in)
-        o = absorbed_attention(q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :], keys.c_kv,
-                               keys.k_pe, self.kv_b_proj.weight[...], visible,
-                               cfg.qk_head_dim**-0.5)
+        q_nope, q_pe = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :]
+        if x.shape[1] > 1 and self._prefill_kernel():
+            from pallas_kernels.prefill_attention import prefill_attention
+
+            dtype = keys.c_kv.dtype  # the matmul operands' dtype, as in the absorbed form
+            k_nope, v = mla_expand(keys.c_kv, self.kv_b_proj.weight[...].astype(dtype), cfg.num_heads,
+                                   cfg.qk_nope_head_dim)
+            o = prefill_attention(q_nope.astype(dtype), q_pe.astype(dtype), k_nope, keys.k_pe, v, pos,
+                                  cfg.qk_head_dim**-0.5)
+        else:
+            visible = jnp.arange(keys.c_kv.shape[1])[None, None, :] <= pos[:, :, None]  # [B, T, S]
+            o = absorbed_attention(q_nope, q_pe, keys.c_kv, keys.k_pe, self.kv_b_proj.weight[...], visible,
+                                   cfg.qk_head_dim**-0.5)
         return self.output(gate, o, x.dtype, residual), cache
+
+    def _prefill_kernel(self) -> bool:
+        """Whether a prefill chunk (more than one new token) attends by the flash-attention kernel over
+        the expanded keys (``pallas_kernels.prefill_attention``): on the Pallas path off TPU, with head
+        widths the kernel takes (any in interpret mode)."""
+        from pallas_kernels.prefill_attention import prefill_attention_runs
+
+        cfg = self.cfg
+        return triton_kernels() and (pallas_interpret() or prefill_attention_runs(
+            cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim))
 
     def __call__(self, x: Array, norm: RMSNorm | None = None, residual: Array | None = None) -> Array:
         """x [B, T, D] (RMS-normed by ``norm`` first, when given) -> [B, T, D], the expanded form, plus

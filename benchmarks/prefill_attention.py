@@ -1,0 +1,140 @@
+"""MLA prefill attention at `mini`'s shapes (H 16, nope 128, rope 64, value 128, one 2048-token chunk):
+the flash-attention kernel over expanded keys against the absorbed XLA form it replaces, and
+PyTorch's scaled_dot_product_attention on the same expanded keys (the peer), in one run.
+
+    python3 benchmarks/prefill_attention.py [--chunk 2048] [--keys 2048,8192]
+
+Per case (a chunk at the end of S keys): relative error of each form against float32 attention
+from the same bf16 inputs, then median times (device-synchronized, warm) and rates counted on the
+visible (query, key) pairs only: 2 * pairs * H * (nope + rope + value).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave room for the PyTorch peer
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from k3jax.functional.mla import absorbed_attention, mla_expand  # noqa: E402
+from pallas_kernels.prefill_attention import AttentionBlocks, prefill_attention  # noqa: E402
+
+H, N, P, V, R = 16, 128, 64, 128, 512
+SWEEP = [AttentionBlocks(128, 64, 8, 2), AttentionBlocks(128, 64, 4, 3), AttentionBlocks(64, 64, 4, 3),
+         AttentionBlocks(128, 128, 8, 2), AttentionBlocks(64, 32, 4, 4), AttentionBlocks(128, 32, 4, 3)]
+
+
+def median_seconds(fn, reps: int = 20) -> float:
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--chunk", type=int, default=2048)
+    ap.add_argument("--keys", default="2048,8192")
+    args = ap.parse_args()
+    T, scale, bf16 = args.chunk, (N + P) ** -0.5, jnp.bfloat16
+    rows = []
+    print(f"device {jax.devices()[0].device_kind}, JAX {jax.__version__}")
+    for S in [int(s) for s in args.keys.split(",")]:
+        keys = jax.random.split(jax.random.key(S), 5)
+        q_nope = jax.random.normal(keys[0], (1, T, H, N), bf16)
+        q_pe = jax.random.normal(keys[1], (1, T, H, P), bf16)
+        c_kv = jax.random.normal(keys[2], (1, S, R), bf16)
+        k_pe = jax.random.normal(keys[3], (1, S, P), bf16)
+        kv_b = (jax.random.normal(keys[4], (H * (N + V), R)) * R**-0.5).astype(bf16)
+        pos = (S - T + jnp.arange(T))[None]
+        pairs = float(np.sum(np.minimum(np.asarray(pos[0]) + 1, S)))
+        flops = 2 * pairs * H * (N + P + V)
+
+        absorbed = jax.jit(lambda qn, qp, c, kp, w: absorbed_attention(
+            qn, qp, c, kp, w, jnp.arange(S)[None, None, :] <= pos[:, :, None], scale))
+        expand = jax.jit(lambda c, w: mla_expand(c, w, H, N))
+        expand_default = jax.jit(lambda c, w: tuple(a.reshape(1, S, H, -1) for a in jnp.split(jnp.einsum(
+            "bsr,or->bso", c, w, preferred_element_type=jnp.float32).astype(c.dtype), [H * N], axis=-1)))
+        k_nope, v = expand(c_kv, kv_b)
+        f32 = lambda a: a.astype(jnp.float32)
+        want = jax.jit(lambda qn, qp, kn, kp, vv: _dense_f32(qn, qp, kn, kp, vv, pos, scale))(
+            *map(f32, (q_nope, q_pe, k_nope, k_pe, v)))
+        t_expand = median_seconds(lambda: expand(c_kv, kv_b))
+        t_abs = median_seconds(lambda: absorbed(q_nope, q_pe, c_kv, k_pe, kv_b))
+        rows.append((S, "absorbed XLA (before)", rel(absorbed(q_nope, q_pe, c_kv, k_pe, kv_b), want), t_abs, flops))
+        rows.append((S, "expand keys (XLA einsum)", float("nan"), t_expand, 2 * S * R * H * (N + V)))
+        rows.append((S, "expand keys, default precision", float("nan"),
+                     median_seconds(lambda: expand_default(c_kv, kv_b)), 2 * S * R * H * (N + V)))
+        for blocks in SWEEP:
+            run = jax.jit(lambda qn, qp, kn, kp, vv, b=blocks: prefill_attention(qn, qp, kn, kp, vv, pos, scale,
+                                                                                  blocks=b))
+            out = jax.block_until_ready(run(q_nope, q_pe, k_nope, k_pe, v))
+            rows.append((S, f"kernel {blocks.block_q}x{blocks.block_k} w{blocks.num_warps} s{blocks.num_stages}",
+                         rel(out, want), median_seconds(lambda: run(q_nope, q_pe, k_nope, k_pe, v)), flops))
+        rows += _torch_peer(q_nope, q_pe, k_nope, k_pe, v, pos, scale, want, flops, S)
+    print(f"\nchunk T={T}, H={H}, nope {N}, rope {P}, value {V}; rates over visible pairs")
+    print(f"{'S':>6} | {'form':<34} | {'rel err':>9} | {'ms':>8} | {'TF/s':>6}")
+    for S, name, err, seconds, flops in rows:
+        print(f"{S:>6} | {name:<34} | {err:9.2e} | {seconds * 1e3:8.3f} | {flops / seconds / 1e12:6.1f}")
+
+
+def _dense_f32(qn, qp, kn, kp, v, pos, scale):
+    hi = jax.lax.Precision.HIGHEST
+    s = (jnp.einsum("bthn,bshn->bhts", qn, kn, precision=hi) + jnp.einsum("bthp,bsp->bhts", qp, kp, precision=hi))
+    s = jnp.where(jnp.arange(kn.shape[1])[None, None, None, :] <= pos[:, None, :, None], s * scale, -jnp.inf)
+    return jnp.einsum("bhts,bshv->bthv", jax.nn.softmax(s, axis=-1), v, precision=hi)
+
+
+def _torch_peer(q_nope, q_pe, k_nope, k_pe, v, pos, scale, want, flops, S):
+    """PyTorch SDPA on [B, H, L, 192] queries and keys (k_pe broadcast over heads), values [.., 128]:
+    is_causal when the chunk is the whole sequence, else a boolean mask."""
+    try:
+        import torch
+        import torch.nn.functional as F
+    except ImportError as e:
+        print(f"PyTorch peer skipped: {e}")
+        return []
+    t = lambda a: torch.from_numpy(np.asarray(a.astype(jnp.float32))).to("cuda", torch.bfloat16)
+    T = q_nope.shape[1]
+    q = torch.cat([t(q_nope), t(q_pe)], -1).transpose(1, 2).contiguous()
+    k = torch.cat([t(k_nope), t(k_pe)[:, :, None, :].expand(-1, -1, H, -1)], -1).transpose(1, 2).contiguous()
+    vv = t(v).transpose(1, 2).contiguous()
+    if T == S:
+        call = lambda: F.scaled_dot_product_attention(q, k, vv, is_causal=True, scale=scale)
+    else:
+        mask = torch.from_numpy(np.arange(S)[None, :] <= np.asarray(pos[0])[:, None]).to("cuda")
+        call = lambda: F.scaled_dot_product_attention(q, k, vv, attn_mask=mask, scale=scale)
+    out = call()
+    err = rel(out.transpose(1, 2).float().cpu().numpy(), want)
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    name = "torch SDPA " + ("causal" if T == S else "masked") + f" {torch.__version__.split('+')[0]}"
+    return [(S, name, err, float(np.median(times)), flops)]
+
+
+if __name__ == "__main__":
+    main()
