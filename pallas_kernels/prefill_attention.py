@@ -39,12 +39,13 @@ _MIN_DOT = 16  # Triton's smallest dot dimension
 @dataclasses.dataclass(frozen=True)
 class AttentionBlocks:
     """block_q queries per program, block_k keys per loop step (powers of two from 16); Triton's
-    num_warps and num_stages."""
+    num_warps and num_stages. Default: the best of six at `mini`'s shapes on the H200, 2048 queries
+    over 2048 and 8192 keys (benchmarks/RESULTS.md)."""
 
     block_q: int = 128
     block_k: int = 64
-    num_warps: int = 8
-    num_stages: int = 2
+    num_warps: int = 4
+    num_stages: int = 3
 
     def __post_init__(self):
         for name in ("block_q", "block_k"):

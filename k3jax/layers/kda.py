@@ -6,6 +6,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from k3jax.config import KDAConfig
@@ -56,10 +57,15 @@ def _kda_core_fused(q, k, v, z, a_log, dt_bias, beta_logits, state, lower_bound:
 
 
 def _short_convs_xla(xs, taps, state, lengths):
-    """silu of the causal short convs of q, k, v [B, T, F] (one conv over their channels side by side,
-    ``causal_conv``) and the new conv state."""
-    y, state = causal_conv(jnp.concatenate(xs, axis=-1), jnp.concatenate(taps), state, lengths)
-    return (*jnp.split(jax.nn.silu(y), len(xs), axis=-1), state)
+    """silu of the causal short convs of q, k, v [B, T, F] (``causal_conv`` on each, with its channels
+    of the state [B, W - 1, 3 F]; no concatenated copy of the inputs) and the new conv state."""
+    ends = np.cumsum([x.shape[-1] for x in xs])
+    ys, states = [], []
+    for x, w, end in zip(xs, taps, ends):
+        y, s = causal_conv(x, w, state[..., end - x.shape[-1]:end], lengths)
+        ys.append(jax.nn.silu(y))
+        states.append(s)
+    return (*ys, jnp.concatenate(states, axis=-1))
 
 
 def _short_convs(xs, taps, state, lengths):
