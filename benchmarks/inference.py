@@ -118,9 +118,12 @@ def main() -> None:
             gen = Generator(model, max_len=T + 16, prefill_chunk=2048)
             prompt = [np.random.default_rng(0).integers(0, cfg.vocab_size, T).tolist()]
             jax.block_until_ready(gen.prefill(prompt, gen.init_cache(1))[0])
-            t = time.perf_counter()
-            jax.block_until_ready(gen.prefill(prompt, gen.init_cache(1))[0])
-            seconds = time.perf_counter() - t
+            rounds = []
+            for _ in range(3):  # best of three: one prefill spreads by 10% between calls
+                t = time.perf_counter()
+                jax.block_until_ready(gen.prefill(prompt, gen.init_cache(1))[0])
+                rounds.append(time.perf_counter() - t)
+            seconds = min(rounds)
             if args.profile:
                 chunk = jnp.asarray(np.asarray(prompt)[:, :2048])
                 start, lengths = jnp.zeros((1,), jnp.int32), jnp.full((1,), T, jnp.int32)
