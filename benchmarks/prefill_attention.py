@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave room for the PyTorch peer
 
@@ -26,19 +25,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from k3jax.functional.mla import absorbed_attention, mla_expand  # noqa: E402
 from pallas_kernels.prefill_attention import AttentionBlocks, prefill_attention  # noqa: E402
 
+from inference import median_time  # noqa: E402  (benchmarks/inference.py)
+
 H, N, P, V, R = 16, 128, 64, 128, 512
 SWEEP = [AttentionBlocks(128, 64, 8, 2), AttentionBlocks(128, 64, 4, 3), AttentionBlocks(64, 64, 4, 3),
          AttentionBlocks(128, 128, 8, 2), AttentionBlocks(64, 32, 4, 4), AttentionBlocks(128, 32, 4, 3)]
-
-
-def median_seconds(fn, reps: int = 20) -> float:
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t)
-    return float(np.median(times))
 
 
 def rel(a, b) -> float:
@@ -74,18 +65,18 @@ def main() -> None:
         f32 = lambda a: a.astype(jnp.float32)
         want = jax.jit(lambda qn, qp, kn, kp, vv: _dense_f32(qn, qp, kn, kp, vv, pos, scale))(
             *map(f32, (q_nope, q_pe, k_nope, k_pe, v)))
-        t_expand = median_seconds(lambda: expand(c_kv, kv_b))
-        t_abs = median_seconds(lambda: absorbed(q_nope, q_pe, c_kv, k_pe, kv_b))
+        t_expand = median_time(lambda: expand(c_kv, kv_b))
+        t_abs = median_time(lambda: absorbed(q_nope, q_pe, c_kv, k_pe, kv_b))
         rows.append((S, "absorbed XLA (before)", rel(absorbed(q_nope, q_pe, c_kv, k_pe, kv_b), want), t_abs, flops))
         rows.append((S, "expand keys (XLA einsum)", float("nan"), t_expand, 2 * S * R * H * (N + V)))
         rows.append((S, "expand keys, default precision", float("nan"),
-                     median_seconds(lambda: expand_default(c_kv, kv_b)), 2 * S * R * H * (N + V)))
+                     median_time(lambda: expand_default(c_kv, kv_b)), 2 * S * R * H * (N + V)))
         for blocks in SWEEP:
             run = jax.jit(lambda qn, qp, kn, kp, vv, b=blocks: prefill_attention(qn, qp, kn, kp, vv, pos, scale,
                                                                                   blocks=b))
             out = jax.block_until_ready(run(q_nope, q_pe, k_nope, k_pe, v))
             rows.append((S, f"kernel {blocks.block_q}x{blocks.block_k} w{blocks.num_warps} s{blocks.num_stages}",
-                         rel(out, want), median_seconds(lambda: run(q_nope, q_pe, k_nope, k_pe, v)), flops))
+                         rel(out, want), median_time(lambda: run(q_nope, q_pe, k_nope, k_pe, v)), flops))
         rows += _torch_peer(q_nope, q_pe, k_nope, k_pe, v, pos, scale, want, flops, S)
     print(f"\nchunk T={T}, H={H}, nope {N}, rope {P}, value {V}; rates over visible pairs")
     print(f"{'S':>6} | {'form':<34} | {'rel err':>9} | {'ms':>8} | {'TF/s':>6}")
