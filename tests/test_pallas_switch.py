@@ -130,3 +130,14 @@ def test_mla_layer_prefill_chunks():
     ref, pal = both(run, params, x)
     for a, b in zip(ref, pal):
         assert rel_err(b, a) < 1e-4
+
+
+def test_mla_layer_full_sequence():
+    """The expanded full-sequence form (``MLA.__call__``): the flash-attention kernel against the
+    reference's materialized causal softmax."""
+    cfg = preset("tiny")
+    layer = MLA(cfg.hidden_size, cfg.mla, rngs=nnx.Rngs(12))
+    graph, params = nnx.split(layer)
+    x = 2.0 * jax.random.normal(jax.random.key(13), (2, 19, cfg.hidden_size))
+    ref, pal = both(lambda params, x: nnx.merge(graph, params)(x), params, x)
+    assert rel_err(pal, ref) < 1e-4

@@ -1,7 +1,7 @@
 """Gated multi-head latent attention (spec section 4) as a Flax NNX module: the expanded full-sequence
 form (``__call__``) and the form over a latent cache (``extend``): absorbed for decode steps (and
 prefill chunks on the reference path), expanded keys with a flash-attention kernel for prefill chunks
-on the Pallas path."""
+on the Pallas path, as ``__call__`` there."""
 
 from __future__ import annotations
 
@@ -105,7 +105,7 @@ class MLA(nnx.Module):
     def extend(self, x: Array, cache: MLACache, start: Array, window: int | None = None,
                norm: RMSNorm | None = None, residual: Array | None = None) -> tuple[Array, MLACache]:
         """New tokens x [B, T, D] at positions start[b] + t against the cache: in the absorbed form, or
-        for T > 1 on the Pallas path (``_prefill_kernel``) over keys and values expanded from the
+        for T > 1 on the Pallas path (``_flash_kernel``) over keys and values expanded from the
         cache's latents by ``pallas_kernels.prefill_attention``, which does not materialize scores.
 
         Writes the new latents into the cache (positions past its end are dropped), then attends
@@ -122,39 +122,48 @@ class MLA(nnx.Module):
         keys = MLACache(cache.c_kv[:, :window], cache.k_pe[:, :window])  # [:None] is everything
         q = self.queries(q_in)
         q_nope, q_pe = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :]
-        if x.shape[1] > 1 and self._prefill_kernel():
-            from pallas_kernels.prefill_attention import prefill_attention
-
-            dtype = keys.c_kv.dtype  # the matmul operands' dtype, as in the absorbed form
-            k_nope, v = mla_expand(keys.c_kv, self.kv_b_proj.weight[...].astype(dtype), cfg.num_heads,
-                                   cfg.qk_nope_head_dim)
-            o = prefill_attention(q_nope.astype(dtype), q_pe.astype(dtype), k_nope, keys.k_pe, v, pos,
-                                  cfg.qk_head_dim**-0.5)
+        if x.shape[1] > 1 and self._flash_kernel():  # the cache's dtype rounds the operands, as absorbed
+            o = self._flash_attention(q, keys.c_kv, keys.k_pe, pos, keys.c_kv.dtype)
         else:
             visible = jnp.arange(keys.c_kv.shape[1])[None, None, :] <= pos[:, :, None]  # [B, T, S]
             o = absorbed_attention(q_nope, q_pe, keys.c_kv, keys.k_pe, self.kv_b_proj.weight[...], visible,
                                    cfg.qk_head_dim**-0.5)
         return self.output(gate, o, x.dtype, residual), cache
 
-    def _prefill_kernel(self) -> bool:
-        """Whether a prefill chunk (more than one new token) attends by the flash-attention kernel over
-        the expanded keys (``pallas_kernels.prefill_attention``): on the Pallas path off TPU, with head
-        widths the kernel takes (any in interpret mode)."""
+    def _flash_kernel(self) -> bool:
+        """Whether the expanded form attends by the flash-attention kernel (``pallas_kernels.prefill_attention``):
+        on the Pallas path off TPU, with head widths the kernel takes (any in interpret mode)."""
         from pallas_kernels.prefill_attention import prefill_attention_runs
 
         cfg = self.cfg
         return triton_kernels() and (pallas_interpret() or prefill_attention_runs(
             cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim))
 
+    def _flash_attention(self, q: Array, c_kv: Array, k_pe: Array, positions: Array, dtype) -> Array:
+        """Queries q [B, T, H, nope + rope] at positions [B, T] over the latents c_kv [B, S, R] (after
+        kv_a_layernorm) and k_pe [B, S, P], expanded into per-head keys and values, by the kernel;
+        operands rounded to ``dtype``. Returns [B, T, H, V] float32."""
+        from pallas_kernels.prefill_attention import prefill_attention
+
+        cfg, nope = self.cfg, self.cfg.qk_nope_head_dim
+        k_nope, v = mla_expand(c_kv.astype(dtype), self.kv_b_proj.weight[...].astype(dtype), cfg.num_heads, nope)
+        return prefill_attention(q[..., :nope].astype(dtype), q[..., nope:].astype(dtype), k_nope, k_pe.astype(dtype),
+                                 v, positions, cfg.qk_head_dim**-0.5)
+
     def __call__(self, x: Array, norm: RMSNorm | None = None, residual: Array | None = None) -> Array:
-        """x [B, T, D] (RMS-normed by ``norm`` first, when given) -> [B, T, D], the expanded form, plus
-        ``residual`` when given."""
+        """x [B, T, D] (RMS-normed by ``norm`` first, when given) -> [B, T, D], the expanded form (on the
+        Pallas path by the flash-attention kernel: no [B, H, T, T] scores), plus ``residual`` when given."""
         cfg = self.cfg
         q_in, c, gate = self.inputs(x, norm)
         c_kv, k_pe = self.latent(c)
-        k, v = mla_keys_values(c_kv, k_pe, self.kv_b_proj.weight[...].astype(x.dtype), cfg.num_heads,
-                               cfg.qk_nope_head_dim)
-        o = causal_attention(self.queries(q_in), k, v, cfg.qk_head_dim**-0.5)
+        q = self.queries(q_in)
+        if self._flash_kernel():
+            B, T = x.shape[:2]
+            o = self._flash_attention(q, c_kv, k_pe, jnp.broadcast_to(jnp.arange(T), (B, T)), x.dtype)
+        else:
+            k, v = mla_keys_values(c_kv, k_pe, self.kv_b_proj.weight[...].astype(x.dtype), cfg.num_heads,
+                                   cfg.qk_nope_head_dim)
+            o = causal_attention(q, k, v, cfg.qk_head_dim**-0.5)
         return self.output(gate, o, x.dtype, residual)
 
 
