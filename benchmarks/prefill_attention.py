@@ -1,6 +1,8 @@
 """MLA prefill attention at `mini`'s shapes (H 16, nope 128, rope 64, value 128, one 2048-token chunk):
-the flash-attention kernel over expanded keys against the absorbed XLA form it replaces, and
-PyTorch's scaled_dot_product_attention on the same expanded keys (the peer), in one run.
+the flash-attention kernel over expanded keys against the absorbed XLA form it replaces, cuDNN's
+causal attention through ``jax.nn.dot_product_attention`` where the chunk is the whole sequence
+(T = S; v padded to the 192 of q and k), and PyTorch's scaled_dot_product_attention on the same
+expanded keys (the peer), in one run.
 
     python3 benchmarks/prefill_attention.py [--chunk 2048] [--keys 2048,8192]
 
@@ -59,8 +61,6 @@ def main() -> None:
         absorbed = jax.jit(lambda qn, qp, c, kp, w: absorbed_attention(
             qn, qp, c, kp, w, jnp.arange(S)[None, None, :] <= pos[:, :, None], scale))
         expand = jax.jit(lambda c, w: mla_expand(c, w, H, N))
-        expand_default = jax.jit(lambda c, w: tuple(a.reshape(1, S, H, -1) for a in jnp.split(jnp.einsum(
-            "bsr,or->bso", c, w, preferred_element_type=jnp.float32).astype(c.dtype), [H * N], axis=-1)))
         k_nope, v = expand(c_kv, kv_b)
         f32 = lambda a: a.astype(jnp.float32)
         want = jax.jit(lambda qn, qp, kn, kp, vv: _dense_f32(qn, qp, kn, kp, vv, pos, scale))(
@@ -69,14 +69,14 @@ def main() -> None:
         t_abs = median_time(lambda: absorbed(q_nope, q_pe, c_kv, k_pe, kv_b))
         rows.append((S, "absorbed XLA (before)", rel(absorbed(q_nope, q_pe, c_kv, k_pe, kv_b), want), t_abs, flops))
         rows.append((S, "expand keys (XLA einsum)", float("nan"), t_expand, 2 * S * R * H * (N + V)))
-        rows.append((S, "expand keys, default precision", float("nan"),
-                     median_time(lambda: expand_default(c_kv, kv_b)), 2 * S * R * H * (N + V)))
         for blocks in SWEEP:
             run = jax.jit(lambda qn, qp, kn, kp, vv, b=blocks: prefill_attention(qn, qp, kn, kp, vv, pos, scale,
                                                                                   blocks=b))
             out = jax.block_until_ready(run(q_nope, q_pe, k_nope, k_pe, v))
             rows.append((S, f"kernel {blocks.block_q}x{blocks.block_k} w{blocks.num_warps} s{blocks.num_stages}",
                          rel(out, want), median_time(lambda: run(q_nope, q_pe, k_nope, k_pe, v)), flops))
+        if T == S:
+            rows += _cudnn(q_nope, q_pe, k_nope, k_pe, v, scale, want, flops)
         rows += _torch_peer(q_nope, q_pe, k_nope, k_pe, v, pos, scale, want, flops, S)
     print(f"\nchunk T={T}, H={H}, nope {N}, rope {P}, value {V}; rates over visible pairs")
     print(f"{'S':>6} | {'form':<34} | {'rel err':>9} | {'ms':>8} | {'TF/s':>6}")
@@ -89,6 +89,27 @@ def _dense_f32(qn, qp, kn, kp, v, pos, scale):
     s = (jnp.einsum("bthn,bshn->bhts", qn, kn, precision=hi) + jnp.einsum("bthp,bsp->bhts", qp, kp, precision=hi))
     s = jnp.where(jnp.arange(kn.shape[1])[None, None, None, :] <= pos[:, None, :, None], s * scale, -jnp.inf)
     return jnp.einsum("bhts,bshv->bthv", jax.nn.softmax(s, axis=-1), v, precision=hi)
+
+
+def _cudnn(q_nope, q_pe, k_nope, k_pe, v, scale, want, flops):
+    """cuDNN's causal attention through ``jax.nn.dot_product_attention`` on [B, L, H, 192] queries and
+    keys (k_pe broadcast over heads) and v zero-padded to 192 (one head width for all three): the
+    route shared/DESIGN.md names for a chunk whose keys are its own queries (T = S)."""
+    def run(qn, qp, kn, kp, vv):
+        q = jnp.concatenate([qn, qp], -1)
+        k = jnp.concatenate([kn, jnp.broadcast_to(kp[:, :, None], kn.shape[:3] + kp.shape[-1:])], -1)
+        vp = jnp.pad(vv, [(0, 0)] * 3 + [(0, q.shape[-1] - vv.shape[-1])])
+        o = jax.nn.dot_product_attention(q, k, vp, scale=scale, is_causal=True, implementation="cudnn")
+        return o[..., : vv.shape[-1]]
+
+    run = jax.jit(run)
+    args = (q_nope, q_pe, k_nope, k_pe, v)
+    try:
+        err = rel(run(*args), want)
+    except Exception as e:  # no cuDNN attention here (a CPU, or an unsupported shape): say why
+        print(f"cuDNN attention skipped: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+        return []
+    return [(k_nope.shape[1], "cuDNN causal, v padded to 192", err, median_time(lambda: run(*args)), flops)]
 
 
 def _torch_peer(q_nope, q_pe, k_nope, k_pe, v, pos, scale, want, flops, S):
