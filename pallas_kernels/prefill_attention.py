@@ -57,8 +57,9 @@ class AttentionBlocks:
 def _kernel(positions_ref, qn_ref, qp_ref, kn_ref, kp_ref, v_ref, o_ref, *, scale: float, keys: int,
             block_k: int):
     """Refs: positions [bq] int32; q_nope [bq, N], q_pe [bq, P]; k_nope [Sp, N], k_pe [Sp, P], v [Sp, V]
-    (the program's sequence and head; Sp the keys padded to block_k); o [bq, V] float32. Key blocks
-    every query here sees whole run unmasked, then the blocks up to the last query's position masked."""
+    (the program's sequence and head; Sp the keys padded to block_k); o [bq, V] float32. The key blocks
+    that every query of the program sees in full run unmasked, then the blocks up to the last query's
+    position masked. Key 0 is visible to every query (positions >= 0), so no row's maximum stays -inf."""
     pos = positions_ref[...]
     qn, qp = qn_ref[...], qp_ref[...]
     log2_scale = scale * math.log2(math.e)  # exp2 of scores in base 2
