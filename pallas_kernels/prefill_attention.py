@@ -15,8 +15,9 @@ the inputs' dtype with float32 accumulation; scores, softmax and output are floa
 are rounded to v's dtype for the second product (as ``causal_attention`` does).
 
 One program per (block of ``block_q`` queries, sequence, head) walks the key blocks up to its last
-query's position, masking only the blocks past its first query's; the longest programs start first. Pallas' Triton lowering on GPUs, interpret mode on CPU. On a GPU the head widths
-must be powers of two from 16 (Triton's dot); ``prefill_attention_runs`` says whether they are.
+query's position, masking only the blocks past its first query's; the longest programs start first.
+Pallas' Triton lowering on GPUs, interpret mode on CPU. On a GPU the head widths must be powers of
+two from 16 (Triton's dot); ``prefill_attention_runs`` says whether they are.
 """
 
 from __future__ import annotations

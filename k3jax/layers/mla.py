@@ -121,11 +121,11 @@ class MLA(nnx.Module):
         cache = self._write(c, cache, pos)
         keys = MLACache(cache.c_kv[:, :window], cache.k_pe[:, :window])  # [:None] is everything
         q = self.queries(q_in)
-        q_nope, q_pe = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :]
         if x.shape[1] > 1 and self._flash_kernel():  # the cache's dtype rounds the operands, as absorbed
             o = self._flash_attention(q, keys.c_kv, keys.k_pe, pos, keys.c_kv.dtype)
         else:
             visible = jnp.arange(keys.c_kv.shape[1])[None, None, :] <= pos[:, :, None]  # [B, T, S]
+            q_nope, q_pe = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :]
             o = absorbed_attention(q_nope, q_pe, keys.c_kv, keys.k_pe, self.kv_b_proj.weight[...], visible,
                                    cfg.qk_head_dim**-0.5)
         return self.output(gate, o, x.dtype, residual), cache
