@@ -1,7 +1,7 @@
 """Decode step of a preset on the Pallas path with and without each of the latest step changes, in one
 process: every variant's step is traced and compiled first (each from a copy of one prefilled cache),
-then the variants are timed round-robin (five rounds of 20 steps, best round), so lease-to-lease drift
-does not enter the comparison.
+then the variants are timed round-robin (five rounds of 20 steps, best round, each under its own
+switches), so lease-to-lease drift does not enter the comparison.
 
     python3 benchmarks/decode_variants.py [preset [variant ...]] [--batch N]   (default mini, every
                                                                                 variant, batch 1; tiny
@@ -40,6 +40,7 @@ import pallas_kernels.mx_matmul as mx_matmul
 from k3jax import Generator, K3Model, preset, use_implementation
 from k3jax.layers import basic
 from k3jax.layers.mla import MLA
+from switches import Switches
 
 _store = model_module._store_block
 OFF = {  # a change's name -> (owner, attribute, value with the change off)
@@ -52,20 +53,14 @@ OFF = {  # a change's name -> (owner, attribute, value with the change off)
     "serial command buffer": (inference, "DECODE_GPU_OPTIONS", {}),
     "one-kernel MoE": (mx_matmul, "SPLIT_MIN_TOKENS", 1 << 30),
 }
-ORIGINAL = {name: getattr(owner, attribute) for name, (owner, attribute, _) in OFF.items()}
-VARIANTS = {"default": (), **{name: (name,) for name in OFF}, "all off": tuple(OFF)}
-
-
-def use(off: tuple[str, ...]) -> None:
-    """Turn the named changes off and the others on, for the next trace."""
-    for name, (owner, attribute, value) in OFF.items():
-        setattr(owner, attribute, value if name in off else ORIGINAL[name])
+SWITCHES = Switches(OFF)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("preset", nargs="?", default="mini")
-    ap.add_argument("variants", nargs="*", help=f"from {sorted(VARIANTS)}, 'default' among them (default: all)")
+    ap.add_argument("variants", nargs="*", help=f"from {sorted(SWITCHES.variants)}, 'default' among them "
+                                                "(default: all)")
     ap.add_argument("--batch", type=int, default=1, help="sequences per decode step")
     args = ap.parse_args()
     cfg = preset(args.preset)
@@ -73,14 +68,11 @@ def main() -> None:
     prompt, batch = (128 if cfg.hidden_size >= 1024 else 8), args.batch
     prompts = np.random.default_rng(1).integers(0, cfg.vocab_size, (batch, prompt)).tolist()
     pos, key = jnp.full((batch,), prompt, jnp.int32), jax.random.key(0)
-    names = args.variants or list(VARIANTS)
-    unknown = sorted(set(names) - set(VARIANTS))
-    if unknown or "default" not in names:
-        raise SystemExit(f"variants must include 'default' and come from {sorted(VARIANTS)}; unknown: {unknown}")
+    names = SWITCHES.chosen(args.variants)
     runs, prefilled = {}, None
     with use_implementation("pallas"):
         for name in names:
-            use(VARIANTS[name])
+            SWITCHES.use(name)
             gen = Generator(model, max_len=prompt + 64, prefill_chunk=prompt)  # a fresh jit: traced under its switches
             if prefilled is None:  # one prefill: every variant's first step starts from the same cache
                 _, prefilled = gen.prefill(prompts, gen.init_cache(batch))
@@ -88,7 +80,7 @@ def main() -> None:
             token, logits, cache = gen.decode_step(jnp.zeros((batch,), jnp.int32), cache, pos, key)
             runs[name] = [gen, jax.block_until_ready(token), cache, logits]
             print(f"compiled: {name}", flush=True)
-        use(())
+        SWITCHES.use("default")
         first = runs["default"][3]
         for name, (_, _, _, logits) in runs.items():
             err = float(jnp.linalg.norm(logits - first) / jnp.linalg.norm(first))
@@ -97,6 +89,7 @@ def main() -> None:
         for _ in range(5):
             for name, run in runs.items():
                 gen, token, cache, _ = run
+                SWITCHES.use(name)  # a retrace takes this variant's form
                 start = time.perf_counter()
                 for _ in range(20):
                     token, _, cache = gen.decode_step(token, cache, pos, key)

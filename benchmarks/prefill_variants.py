@@ -1,0 +1,85 @@
+"""Prefill of one long prompt on the Pallas path with and without each of the latest prefill changes, in
+one process: every variant's generator is traced and compiled first, then the variants are timed
+round-robin (five rounds, best round), each call made under its own switches (a retrace then takes the
+variant's form, not the last one set), so lease-to-lease drift does not enter the comparison.
+
+    python3 benchmarks/prefill_variants.py [preset [variant ...]] [--tokens 8192] [--chunk 2048]
+                                           (default mini, every variant; tiny runs on a CPU)
+
+Each switch turns one change off (module attributes read while a prefill chunk is traced):
+- absorbed MLA prefill: ``MLA._flash_kernel`` False (prefill chunks attend in the absorbed XLA form, not
+  by ``pallas_kernels.prefill_attention`` over keys expanded from the latents);
+- concatenated short convs: KDA's short convs as one conv over q, k and v side by side, split after
+  (the form before the thirteenth session), not one conv per input.
+Variants: the default, each switch alone, all the changes off. Also prints each variant's last-token
+logits against the default's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import k3jax.layers.kda as kda
+from k3jax import Generator, K3Model, preset, use_implementation
+from k3jax.functional.conv import causal_conv
+from k3jax.layers.mla import MLA
+from switches import Switches
+
+
+def _concatenated_short_convs(xs, taps, state, lengths):
+    """The short convs as one conv over the inputs' channels side by side (the earlier form)."""
+    y, state = causal_conv(jnp.concatenate(xs, axis=-1), jnp.concatenate(taps), state, lengths)
+    return (*jnp.split(jax.nn.silu(y), len(xs), axis=-1), state)
+
+
+OFF = {  # a change's name -> (owner, attribute, value with the change off)
+    "absorbed MLA prefill": (MLA, "_flash_kernel", lambda self: False),
+    "concatenated short convs": (kda, "_short_convs_xla", _concatenated_short_convs),
+}
+SWITCHES = Switches(OFF)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("preset", nargs="?", default="mini")
+    ap.add_argument("variants", nargs="*", help=f"from {sorted(SWITCHES.variants)}, 'default' among them "
+                                                "(default: all)")
+    ap.add_argument("--tokens", type=int, default=8192, help="prompt length")
+    ap.add_argument("--chunk", type=int, default=2048, help="tokens per prefill call")
+    args = ap.parse_args()
+    names = SWITCHES.chosen(args.variants)
+    cfg = preset(args.preset)
+    model = K3Model(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16)
+    prompt = [np.random.default_rng(0).integers(0, cfg.vocab_size, args.tokens).tolist()]
+    gens, logits = {}, {}
+    with use_implementation("pallas"):
+        for name in names:
+            SWITCHES.use(name)
+            gen = Generator(model, max_len=args.tokens + 16, prefill_chunk=args.chunk)  # a fresh jit per variant
+            logits[name] = jax.block_until_ready(gen.prefill(prompt, gen.init_cache(1))[0])
+            gens[name] = gen
+            print(f"compiled: {name}", flush=True)
+        for name in names:
+            err = float(jnp.linalg.norm(logits[name] - logits["default"]) / jnp.linalg.norm(logits["default"]))
+            print(f"{name}: last-token logits rel err vs default {err:.2e}")
+        times = {name: [] for name in names}
+        for _ in range(5):
+            for name, gen in gens.items():
+                SWITCHES.use(name)
+                start = time.perf_counter()
+                jax.block_until_ready(gen.prefill(prompt, gen.init_cache(1))[0])
+                times[name].append(time.perf_counter() - start)
+        SWITCHES.use("default")
+    print(f"\n{cfg.name}, prefill of {args.tokens} tokens in chunks of {args.chunk}, ms | best | rounds")
+    for name, ts in times.items():
+        print(f"{name} | {min(ts) * 1e3:.1f} | {' '.join(f'{t * 1e3:.1f}' for t in ts)}")
+
+
+if __name__ == "__main__":
+    main()

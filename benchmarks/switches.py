@@ -1,0 +1,28 @@
+"""Variant switches of the A/B benchmarks (``decode_variants.py``, ``prefill_variants.py``): each change
+is a module attribute read while a step is traced, with the value that turns the change off."""
+
+from __future__ import annotations
+
+
+class Switches:
+    """``off``: a change's name -> (owner, attribute, value with the change off). Variants: "default"
+    (every change on), each change off alone (by its name), "all off"."""
+
+    def __init__(self, off: dict[str, tuple[object, str, object]]):
+        self.off = off
+        self.original = {name: getattr(owner, attribute) for name, (owner, attribute, _) in off.items()}
+        self.variants = {"default": (), **{name: (name,) for name in off}, "all off": tuple(off)}
+
+    def use(self, variant: str) -> None:
+        """Set the attributes for a variant (its changes off, the others on), for the next trace."""
+        for name, (owner, attribute, value) in self.off.items():
+            setattr(owner, attribute, value if name in self.variants[variant] else self.original[name])
+
+    def chosen(self, names: list[str]) -> list[str]:
+        """The variants named on a command line (all of them when none is), 'default' among them."""
+        names = names or list(self.variants)
+        unknown = sorted(set(names) - set(self.variants))
+        if unknown or "default" not in names:
+            raise SystemExit(f"variants must include 'default' and come from {sorted(self.variants)}; "
+                             f"unknown: {unknown}")
+        return names
