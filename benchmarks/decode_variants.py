@@ -25,7 +25,6 @@ against the default's (with random bf16 weights the model amplifies float32 summ
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import jax
@@ -57,10 +56,7 @@ SWITCHES = Switches(OFF)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("preset", nargs="?", default="mini")
-    ap.add_argument("variants", nargs="*", help=f"from {sorted(SWITCHES.variants)}, 'default' among them "
-                                                "(default: all)")
+    ap = SWITCHES.arguments(__doc__)
     ap.add_argument("--batch", type=int, default=1, help="sequences per decode step")
     args = ap.parse_args()
     cfg = preset(args.preset)

@@ -17,7 +17,6 @@ logits against the default's.
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import jax
@@ -46,10 +45,7 @@ SWITCHES = Switches(OFF)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("preset", nargs="?", default="mini")
-    ap.add_argument("variants", nargs="*", help=f"from {sorted(SWITCHES.variants)}, 'default' among them "
-                                                "(default: all)")
+    ap = SWITCHES.arguments(__doc__)
     ap.add_argument("--tokens", type=int, default=8192, help="prompt length")
     ap.add_argument("--chunk", type=int, default=2048, help="tokens per prefill call")
     args = ap.parse_args()

@@ -3,6 +3,8 @@ is a module attribute read while a step is traced, with the value that turns the
 
 from __future__ import annotations
 
+import argparse
+
 
 class Switches:
     """``off``: a change's name -> (owner, attribute, value with the change off). Variants: "default"
@@ -17,6 +19,15 @@ class Switches:
         """Set the attributes for a variant (its changes off, the others on), for the next trace."""
         for name, (owner, attribute, value) in self.off.items():
             setattr(owner, attribute, value if name in self.variants[variant] else self.original[name])
+
+    def arguments(self, doc: str) -> argparse.ArgumentParser:
+        """A command line of a preset (default mini) and variants, described by the script's ``doc``'s
+        first paragraph; the script adds its own options."""
+        ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+        ap.add_argument("preset", nargs="?", default="mini")
+        ap.add_argument("variants", nargs="*", help=f"from {sorted(self.variants)}, 'default' among them "
+                                                    "(default: all)")
+        return ap
 
     def chosen(self, names: list[str]) -> list[str]:
         """The variants named on a command line (all of them when none is), 'default' among them."""
