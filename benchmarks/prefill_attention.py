@@ -7,7 +7,7 @@ expanded keys (the peer), in one run.
     python3 benchmarks/prefill_attention.py [--chunk 2048] [--keys 2048,8192]
 
 Per case (a chunk at the end of S keys): relative error of each form against float32 attention
-from the same bf16 inputs, then median times (device-synchronized, warm) and rates counted on the
+from the same bf16 inputs (``causal_attention`` on the expanded keys), then median times (device-synchronized, warm) and rates counted on the
 visible (query, key) pairs only: 2 * pairs * H * (nope + rope + value).
 """
 
@@ -24,7 +24,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from k3jax.functional.mla import absorbed_attention, mla_expand  # noqa: E402
+from k3jax.functional.mla import absorbed_attention, causal_attention, mla_expand, mla_keys_values  # noqa: E402
 from pallas_kernels.prefill_attention import AttentionBlocks, prefill_attention  # noqa: E402
 
 from inference import median_time  # noqa: E402  (benchmarks/inference.py)
@@ -62,9 +62,9 @@ def main() -> None:
             qn, qp, c, kp, w, jnp.arange(S)[None, None, :] <= pos[:, :, None], scale))
         expand = jax.jit(lambda c, w: mla_expand(c, w, H, N))
         k_nope, v = expand(c_kv, kv_b)
+        q, (k, _) = jnp.concatenate([q_nope, q_pe], -1), mla_keys_values(c_kv, k_pe, kv_b, H, N)  # [.., 192]
         f32 = lambda a: a.astype(jnp.float32)
-        want = jax.jit(lambda qn, qp, kn, kp, vv: _dense_f32(qn, qp, kn, kp, vv, pos, scale))(
-            *map(f32, (q_nope, q_pe, k_nope, k_pe, v)))
+        want = jax.jit(causal_attention, static_argnums=3)(f32(q), f32(k), f32(v), scale)  # the last T of S keys
         t_expand = median_time(lambda: expand(c_kv, kv_b))
         t_abs = median_time(lambda: absorbed(q_nope, q_pe, c_kv, k_pe, kv_b))
         rows.append((S, "absorbed XLA (before)", rel(absorbed(q_nope, q_pe, c_kv, k_pe, kv_b), want), t_abs, flops))
@@ -76,44 +76,35 @@ def main() -> None:
             rows.append((S, f"kernel {blocks.block_q}x{blocks.block_k} w{blocks.num_warps} s{blocks.num_stages}",
                          rel(out, want), median_time(lambda: run(q_nope, q_pe, k_nope, k_pe, v)), flops))
         if T == S:
-            rows += _cudnn(q_nope, q_pe, k_nope, k_pe, v, scale, want, flops)
-        rows += _torch_peer(q_nope, q_pe, k_nope, k_pe, v, pos, scale, want, flops, S)
+            rows += _cudnn(q, k, v, scale, want, flops)
+        rows += _torch_peer(q, k, v, pos, scale, want, flops)
     print(f"\nchunk T={T}, H={H}, nope {N}, rope {P}, value {V}; rates over visible pairs")
     print(f"{'S':>6} | {'form':<34} | {'rel err':>9} | {'ms':>8} | {'TF/s':>6}")
     for S, name, err, seconds, flops in rows:
         print(f"{S:>6} | {name:<34} | {err:9.2e} | {seconds * 1e3:8.3f} | {flops / seconds / 1e12:6.1f}")
 
 
-def _dense_f32(qn, qp, kn, kp, v, pos, scale):
-    hi = jax.lax.Precision.HIGHEST
-    s = (jnp.einsum("bthn,bshn->bhts", qn, kn, precision=hi) + jnp.einsum("bthp,bsp->bhts", qp, kp, precision=hi))
-    s = jnp.where(jnp.arange(kn.shape[1])[None, None, None, :] <= pos[:, None, :, None], s * scale, -jnp.inf)
-    return jnp.einsum("bhts,bshv->bthv", jax.nn.softmax(s, axis=-1), v, precision=hi)
-
-
-def _cudnn(q_nope, q_pe, k_nope, k_pe, v, scale, want, flops):
-    """cuDNN's causal attention through ``jax.nn.dot_product_attention`` on [B, L, H, 192] queries and
-    keys (k_pe broadcast over heads) and v zero-padded to 192 (one head width for all three): the
-    route shared/DESIGN.md names for a chunk whose keys are its own queries (T = S)."""
-    def run(qn, qp, kn, kp, vv):
-        q = jnp.concatenate([qn, qp], -1)
-        k = jnp.concatenate([kn, jnp.broadcast_to(kp[:, :, None], kn.shape[:3] + kp.shape[-1:])], -1)
-        vp = jnp.pad(vv, [(0, 0)] * 3 + [(0, q.shape[-1] - vv.shape[-1])])
-        o = jax.nn.dot_product_attention(q, k, vp, scale=scale, is_causal=True, implementation="cudnn")
-        return o[..., : vv.shape[-1]]
+def _cudnn(q, k, v, scale, want, flops):
+    """cuDNN's causal attention through ``jax.nn.dot_product_attention`` on the [B, L, H, 192] queries and
+    keys and v zero-padded to 192 (one head width for all three): the route shared/DESIGN.md names for a
+    chunk whose keys are its own queries (T = S)."""
+    def run(q, k, v):
+        padded = jnp.pad(v, [(0, 0)] * 3 + [(0, q.shape[-1] - v.shape[-1])])
+        o = jax.nn.dot_product_attention(q, k, padded, scale=scale, is_causal=True, implementation="cudnn")
+        return o[..., : v.shape[-1]]
 
     run = jax.jit(run)
-    args = (q_nope, q_pe, k_nope, k_pe, v)
+    args = (q, k, v)
     try:
         err = rel(run(*args), want)
     except Exception as e:  # no cuDNN attention here (a CPU, or an unsupported shape): say why
         print(f"cuDNN attention skipped: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
         return []
-    return [(k_nope.shape[1], "cuDNN causal, v padded to 192", err, median_time(lambda: run(*args)), flops)]
+    return [(k.shape[1], "cuDNN causal, v padded to 192", err, median_time(lambda: run(*args)), flops)]
 
 
-def _torch_peer(q_nope, q_pe, k_nope, k_pe, v, pos, scale, want, flops, S):
-    """PyTorch SDPA on [B, H, L, 192] queries and keys (k_pe broadcast over heads), values [.., 128]:
+def _torch_peer(q, k, v, pos, scale, want, flops):
+    """PyTorch SDPA on the same [B, L, H, 192] queries and keys (as [B, H, L, 192]), values [.., 128]:
     is_causal when the chunk is the whole sequence, else a boolean mask."""
     try:
         import torch
@@ -122,15 +113,13 @@ def _torch_peer(q_nope, q_pe, k_nope, k_pe, v, pos, scale, want, flops, S):
         print(f"PyTorch peer skipped: {e}")
         return []
     t = lambda a: torch.from_numpy(np.asarray(a.astype(jnp.float32))).to("cuda", torch.bfloat16)
-    T = q_nope.shape[1]
-    q = torch.cat([t(q_nope), t(q_pe)], -1).transpose(1, 2).contiguous()
-    k = torch.cat([t(k_nope), t(k_pe)[:, :, None, :].expand(-1, -1, H, -1)], -1).transpose(1, 2).contiguous()
-    vv = t(v).transpose(1, 2).contiguous()
+    T, S = q.shape[1], k.shape[1]
+    q, k, v = (t(a).transpose(1, 2).contiguous() for a in (q, k, v))
     if T == S:
-        call = lambda: F.scaled_dot_product_attention(q, k, vv, is_causal=True, scale=scale)
+        call = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     else:
         mask = torch.from_numpy(np.arange(S)[None, :] <= np.asarray(pos[0])[:, None]).to("cuda")
-        call = lambda: F.scaled_dot_product_attention(q, k, vv, attn_mask=mask, scale=scale)
+        call = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     out = call()
     err = rel(out.transpose(1, 2).float().cpu().numpy(), want)
     for _ in range(3):
