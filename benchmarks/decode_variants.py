@@ -18,7 +18,9 @@ Each switch turns one change off (module attributes read while a step is traced)
 - serial command buffer: ``k3jax.inference.DECODE_GPU_OPTIONS`` empty (the step's command buffer in
   XLA's default schedule, one kernel after another, not ordered by the buffers they share);
 - one-kernel MoE: ``pallas_kernels.mx_matmul.SPLIT_MIN_TOKENS`` out of reach (the fused MoE as its one
-  kernel with atomic adds at every batch, not the two kernels without atomics).
+  kernel with atomic adds at every batch, not the two kernels without atomics);
+- selection kernel: ``MoE._routes_in_kernel`` False (at one token the experts are picked by the selection
+  kernel before the fused MoE, not by its hidden programs).
 Variants: the default, each switch alone, all the changes off. Also prints each variant's first logits
 against the default's (with random bf16 weights the model amplifies float32 summation order).
 """
@@ -39,6 +41,7 @@ import pallas_kernels.mx_matmul as mx_matmul
 from k3jax import Generator, K3Model, preset, use_implementation
 from k3jax.layers import basic
 from k3jax.layers.mla import MLA
+from k3jax.layers.moe import MoE
 from switches import Switches
 
 _store = model_module._store_block
@@ -51,6 +54,7 @@ OFF = {  # a change's name -> (owner, attribute, value with the change off)
     "adds by XLA": (basic, "ADD_IN_KERNEL", False),
     "serial command buffer": (inference, "DECODE_GPU_OPTIONS", {}),
     "one-kernel MoE": (mx_matmul, "SPLIT_MIN_TOKENS", 1 << 30),
+    "selection kernel": (MoE, "_routes_in_kernel", lambda self, tokens: False),
 }
 SWITCHES = Switches(OFF)
 

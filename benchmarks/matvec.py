@@ -3,7 +3,7 @@
 Each timed function runs SETS weight sets (so the weights are not L2-resident) ITERS times in one
 jitted fori_loop; set s's x passes through an optimization_barrier with set s-1's outputs, so
 XLA neither fuses einsums across sets nor reorders them. Table last: us per call, TB/s of weight bytes.
-Usage (repo root, on the GPU): ``PYTHONPATH=$PWD python3 benchmarks/matvec.py [budget seconds]``; variants
+Usage (repo root, on the GPU): ``PYTHONPATH=$PWD python3 benchmarks/matvec.py [budget seconds [rows of x, e.g. 1,8]]``; variants
 past the budget are skipped.
 """
 import statistics
@@ -20,16 +20,16 @@ BUDGET_S = float(sys.argv[1]) if len(sys.argv) > 1 else 170.0
 START = time.perf_counter()
 BF, F32 = jnp.bfloat16, jnp.float32
 HI = jax.lax.Precision.HIGHEST
-GROUPS = {
-    "kda": [(2048, BF), (128, BF), (16, BF)],
+GROUPS = {  # a decode step's matvec kernels at mini: KDA's input maps (q, k, v, f_a, b, g_a) and o_proj, the MoE's inputs
+    "kda": [(2048, BF), (2048, BF), (2048, BF), (128, BF), (16, BF), (128, BF)],
+    "kda_o": [(2048, BF)],
     "moe": [(64, F32), (1024, BF), (768, BF), (768, BF)],
 }
 D, SETS, ITERS = 2048, 8, 25
-VARIANTS = [MatvecBlocks(8, 1024, 4, 3), MatvecBlocks(4, 1024, 2, 3), MatvecBlocks(4, 512, 4, 3),
-            MatvecBlocks(8, 2048, 4, 3), MatvecBlocks(4, 2048, 4, 3), MatvecBlocks(4, 2048, 2, 3),
-            MatvecBlocks(8, 2048, 8, 3), MatvecBlocks(16, 512, 4, 3, dot=True),
-            MatvecBlocks(16, 1024, 4, 3, dot=True), MatvecBlocks(32, 512, 4, 3, dot=True),
-            MatvecBlocks(16, 2048, 8, 3, dot=True)]
+VARIANTS = [MatvecBlocks(4, 2048, 4, 3), MatvecBlocks(2, 2048, 2, 3), MatvecBlocks(4, 2048, 2, 3),
+            MatvecBlocks(8, 2048, 4, 3), MatvecBlocks(8, 2048, 8, 3), MatvecBlocks(16, 2048, 8, 3),
+            MatvecBlocks(16, 1024, 8, 4), MatvecBlocks(32, 1024, 8, 3), MatvecBlocks(8, 1024, 4, 3)]
+ROWS_OF_X = [int(a) for a in sys.argv[2].split(",")] if len(sys.argv) > 2 else [1, 8]
 
 
 def out_dtypes(group):
@@ -76,7 +76,7 @@ print(jax.devices(), jax.__version__, flush=True)
 all_sets = {g: tuple(tuple(jax.random.normal(jax.random.key(1000 * gi + 100 * s + i), (n, D), F32).astype(d) * 0.02
                            for i, (n, d) in enumerate(group)) for s in range(SETS))
             for gi, (g, group) in enumerate(GROUPS.items())}
-for m in (1, 8):
+for m in ROWS_OF_X:
     for gname, group in GROUPS.items():
         dts, sets, key = out_dtypes(group), all_sets[gname], jax.random.key(7 + m)
         nbytes = sum(w.nbytes for w in sets[0])
@@ -97,8 +97,8 @@ for m in (1, 8):
             rows.append((gname, m, name, us, nbytes / us / 1e6, err, f32_err, comp))
             print(rows[-1], flush=True)
 
-print(f"\nweights/call: kda {sum(n * D * (4 if d == F32 else 2) for n, d in GROUPS['kda']) / 1e6:.2f} MB, "
-      f"moe {sum(n * D * (4 if d == F32 else 2) for n, d in GROUPS['moe']) / 1e6:.2f} MB; "
+print("\nweights/call: " + ", ".join(f"{g} {sum(n * D * (4 if d == F32 else 2) for n, d in group) / 1e6:.2f} MB"
+                                    for g, group in GROUPS.items()) + "; "
       f"{ITERS}x{SETS} calls per loop, median of 7; elapsed {time.perf_counter() - START:.0f} s")
 print(f"{'group':5} {'M':>2} {'variant':68} {'us/call':>8} {'TB/s':>6} {'vs xla':>6} {'rel err':>8} {'f32 err':>8}")
 base = {(g, m): us for g, m, name, us, *_ in rows if name == "xla"}

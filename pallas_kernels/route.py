@@ -8,6 +8,11 @@ scaling factor. XLA runs this as
 about ten small kernels (top-k alone is three); at decode sizes each costs more than its work, so
 here one program per token does it all: k rounds of argmax over the token's E scores. Triton needs
 power-of-two widths: E and k are padded (-inf logits, unused slots dropped).
+
+``pick_by_rank`` makes one slot's choice inside another kernel (the batch-1 routed MoE's hidden
+kernel, ``pallas_kernels.mx_matmul.moe_split``): each expert's rank is the number of experts ahead
+of it (a larger score + bias, or an equal one at a lower index), so one [E, E] comparison and three
+sums replace the k rounds of three reductions each.
 """
 
 from __future__ import annotations
@@ -44,12 +49,40 @@ def _select_kernel(logits_ref, bias_ref, weights_ref, experts_ref, *, k: int, re
     experts_ref[...] = experts
 
 
+def padded_router_inputs(logits: Array, correction_bias: Array) -> tuple[Array, Array]:
+    """logits [T, E], correction_bias [E] -> float32 logits [T, E'] and bias [1, E'], E' the next power
+    of two (Triton's widths): padding lanes get -inf logits, so they are never picked."""
+    E = logits.shape[1]
+    width = pl.next_power_of_2(E)
+    logits = jnp.pad(logits.astype(jnp.float32), ((0, 0), (0, width - E)), constant_values=-jnp.inf)
+    return logits, jnp.pad(correction_bias.astype(jnp.float32), (0, width - E))[None]
+
+
+def pick_by_rank(logits: Array, bias: Array, slot, k: int, renormalize: bool, scaling: float) -> tuple[Array, Array]:
+    """One token's router logits and correction bias, float32 [E'] (lanes past the experts: -inf
+    logits) -> (expert int32, weight float32) in selection slot ``slot`` (0: the largest score + bias),
+    as ``select_experts`` orders them; the weight renormalized over the k chosen and scaled as there."""
+    scores = jax.nn.sigmoid(logits)
+    choice = jnp.where(jnp.isneginf(logits), -jnp.inf, scores + bias)
+    width = choice.shape[0]
+    mine, theirs = choice[:, None], choice[None, :]  # [i, j]: expert i's choice value, expert j's
+    lanes = jax.lax.broadcasted_iota(jnp.int32, (width, width), 0)
+    others = jax.lax.broadcasted_iota(jnp.int32, (width, width), 1)
+    ahead = (theirs > mine) | ((theirs == mine) & (others < lanes))
+    rank = jnp.sum(ahead.astype(jnp.int32), axis=1)
+    picked = rank == slot
+    expert = jnp.sum(jnp.where(picked, jax.lax.broadcasted_iota(jnp.int32, (width,), 0), 0))
+    weight = jnp.sum(jnp.where(picked, scores, 0.0))
+    if renormalize:
+        weight = weight / (jnp.sum(jnp.where(rank < k, scores, 0.0)) + 1e-20)
+    return expert, weight * scaling
+
+
 @functools.partial(jax.jit, static_argnames=("k", "renormalize", "scaling_factor", "interpret"))
 def _select(logits, correction_bias, *, k, renormalize, scaling_factor, interpret):
-    T, E = logits.shape
-    width, slots = pl.next_power_of_2(E), pl.next_power_of_2(k)
-    logits = jnp.pad(logits.astype(jnp.float32), ((0, 0), (0, width - E)), constant_values=-jnp.inf)
-    bias = jnp.pad(correction_bias.astype(jnp.float32), (0, width - E))[None]
+    T = logits.shape[0]
+    logits, bias = padded_router_inputs(logits, correction_bias)
+    width, slots = logits.shape[1], pl.next_power_of_2(k)
     row = lambda n: pl.BlockSpec((1, n), lambda t: (t, 0))
     weights, experts = pl.pallas_call(
         functools.partial(_select_kernel, k=k, renormalize=renormalize, scaling=scaling_factor),
@@ -76,4 +109,4 @@ def select_experts(logits: Array, correction_bias: Array, k: int, renormalize: b
                    interpret=interpret)
 
 
-__all__ = ["select_experts"]
+__all__ = ["padded_router_inputs", "pick_by_rank", "select_experts"]

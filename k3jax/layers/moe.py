@@ -56,14 +56,14 @@ def _expert_matmul(x: Array, w: Array | MXTensor, group_sizes: Array) -> Array:
     return grouped_matmul(x, w, group_sizes)
 
 
-def _fused_decode(w: Array | MXTensor, experts: Array) -> bool:
+def _fused_decode(w: Array | MXTensor, tokens: int, k: int) -> bool:
     """The Pallas path's fused MoE kernels for a few (token, expert) pairs (decode) on MXFP4 experts,
     where they measured faster than the sorted dispatch (``fused_moe_pays``); Triton's, so not on a TPU."""
     if not isinstance(w, MXTensor) or not triton_kernels():
         return False
     from pallas_kernels.mx_matmul import fused_moe_pays
 
-    return fused_moe_pays(experts.size, experts.shape[-1], w.shape[1])
+    return fused_moe_pays(tokens * k, k, w.shape[1])
 
 
 def _dense(w: Array | MXTensor, dtype) -> Array:
@@ -130,33 +130,53 @@ class MoE(nnx.Module):
         given: routed + shared + residual, each sum rounded (with a latent, added by the up projection's
         kernel on its kernel path: ``project``'s ``add``)."""
         B, T, D = x.shape
+        cfg = self.cfg
         logits, z, shared = self._inputs(x.reshape(B * T, D), norm)
-        weights, experts = self._select(logits)
         w1, w3, w2 = (w.get_value() for w in (self.experts.w1, self.experts.w3, self.experts.w2))
         mesh = expert_mesh()
-        if mesh is not None:
-            y = moe_expert_parallel(z, w1, w3, w2, weights, experts, self.act, _expert_matmul, mesh)
-        elif self.dispatch == "sorted" and _fused_decode(w1, experts):
+        fused = mesh is None and self.dispatch == "sorted" and _fused_decode(w1, B * T, cfg.experts_per_token)
+        # with a latent, the up projection's kernel rounds the fused MoE's float32 sums itself (``read_as``)
+        fused_out = jnp.float32 if cfg.latent_size else None
+        if fused and self._routes_in_kernel(B * T):
             from pallas_kernels import mx_matmul
 
-            # two kernels (no atomics) from SPLIT_MIN_TOKENS tokens, where the one kernel's atomic adds meet
-            fused = mx_matmul.fused_moe_mx_split if B * T >= mx_matmul.SPLIT_MIN_TOKENS else mx_matmul.fused_moe_mx
-            # with a latent, the up projection's kernel rounds the float32 sums itself (``read_as``)
-            y = fused(z, w1, w3, w2, weights, experts, self.act,
-                      out_dtype=jnp.float32 if self.cfg.latent_size else None)
-        elif self.dispatch == "sorted":
-            y = moe_sorted(z, w1, w3, w2, weights, experts, self.act, matmul=_expert_matmul)
+            y = mx_matmul.routed_moe_mx_split(
+                z, w1, w3, w2, logits, self.gate.e_score_correction_bias[...], self.act, k=cfg.experts_per_token,
+                renormalize=cfg.renormalize, scaling_factor=cfg.routed_scaling_factor, out_dtype=fused_out)
         else:
-            w1, w3, w2 = (_dense(w, z.dtype) for w in (w1, w3, w2))
-            y = moe_dense(z, w1, w3, w2, weights, experts, self.act)
-        add = [self.shared_experts.down(*shared)] if self.cfg.num_shared_experts else []
+            y = self._routed(z, w1, w3, w2, *self._select(logits), mesh, fused, fused_out)
+        add = [self.shared_experts.down(*shared)] if cfg.num_shared_experts else []
         add += [] if residual is None else [residual.reshape(B * T, D)]
-        if self.cfg.latent_size:
-            norm = self.routed_expert_norm if self.cfg.latent_norm else None
+        if cfg.latent_size:
+            norm = self.routed_expert_norm if cfg.latent_norm else None
             y = project(y, [self.routed_expert_up_proj.weight[...]], norm=norm, read_as=z.dtype, add=add)[0]
         else:
             y = add_rounded(y, add)
         return y.reshape(B, T, D)
+
+    def _routes_in_kernel(self, tokens: int) -> bool:
+        """Whether the fused MoE's two kernels pick the experts themselves (``routed_moe_mx_split``, no
+        selection kernel before them): at one token, where each pair's pick is made by its F / bn hidden
+        programs only."""
+        from pallas_kernels import mx_matmul
+
+        return tokens == 1 and tokens >= mx_matmul.SPLIT_MIN_TOKENS
+
+    def _routed(self, z: Array, w1, w3, w2, weights: Array, experts: Array, mesh, fused: bool, fused_out) -> Array:
+        """The routed experts' sum for chosen (weights, experts): sharded over a mesh, the fused MoE
+        kernels, the sorted dispatch or every expert on every token."""
+        if mesh is not None:
+            return moe_expert_parallel(z, w1, w3, w2, weights, experts, self.act, _expert_matmul, mesh)
+        if fused:
+            from pallas_kernels import mx_matmul
+
+            # two kernels (no atomics) from SPLIT_MIN_TOKENS tokens, where the one kernel's atomic adds meet
+            kernels = mx_matmul.fused_moe_mx_split if z.shape[0] >= mx_matmul.SPLIT_MIN_TOKENS else mx_matmul.fused_moe_mx
+            return kernels(z, w1, w3, w2, weights, experts, self.act, out_dtype=fused_out)
+        if self.dispatch == "sorted":
+            return moe_sorted(z, w1, w3, w2, weights, experts, self.act, matmul=_expert_matmul)
+        w1, w3, w2 = (_dense(w, z.dtype) for w in (w1, w3, w2))
+        return moe_dense(z, w1, w3, w2, weights, experts, self.act)
 
 
 __all__ = ["MoE", "Router", "Experts", "Dispatch"]

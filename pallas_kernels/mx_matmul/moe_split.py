@@ -20,6 +20,11 @@ faster than with the one-kernel MoE at 2, 4 and 8 tokens, where the one kernel's
 k * F / bf programs meet on each token's output rows; at one token, with one output row per down
 program, 12% faster than the one kernel per MoE layer with the weights coming from DRAM (15.2
 against 17.2 us) and 0.885 against 0.902 ms per step.
+
+``routed_moe_mx_split`` takes the router's logits instead of the chosen pairs: every hidden program
+picks its own pair's expert and weight (``pallas_kernels.route.pick_by_rank``) and block 0 of each
+pair writes them for the down kernel, so the separate selection kernel (one launch a layer, most of
+its 3.5 us at batch 1) does not run.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from k3jax.typing import Array
 from pallas_kernels.mx_matmul.kernel import MXBlocks, _gpu_compiler_params, decode_weight_planes
 from pallas_kernels.mx_matmul.moe import _check_moe_operands, _stack_views
 from pallas_kernels.mx_matmul.ops import _largest_pow2_divisor
+from pallas_kernels.route import padded_router_inputs, pick_by_rank
 
 
 def _accumulate(acc: Array, tile: tuple[Array, Array], vectors: tuple[Array, Array], method: str,
@@ -49,12 +55,12 @@ def _accumulate(acc: Array, tile: tuple[Array, Array], vectors: tuple[Array, Arr
     return acc
 
 
-def _hidden_kernel(experts_ref, x_ref, w1c_ref, w1s_ref, w3c_ref, w3s_ref, h_ref, *, k: int, bf: int, bk: int,
-                   act, h_dtype, method: str, interpret: bool):
-    """Refs: experts [T*k]; x [T, R] bf16; w1, w3 codes [E, F, R/32, 16] and scales [..., 1]; h [T*k, F]
-    float32. Program (pair, block of bf hidden units): R / bk tiles of bk contracted elements."""
+def _hidden_products(expert, token, x_ref, w1c_ref, w1s_ref, w3c_ref, w3s_ref, h_ref, *, bf: int, bk: int, act,
+                     h_dtype, method: str, interpret: bool) -> None:
+    """Refs: x [T, R] bf16; w1, w3 codes [E, F, R/32, 16] and scales [..., 1]; h [T*k, F] float32.
+    Program (pair, block of bf hidden units) with the pair's expert and token: R / bk tiles of bk
+    contracted elements."""
     pair, block = pl.program_id(0), pl.program_id(1)
-    expert, token = experts_ref[pair], pair // k
     R = x_ref.shape[1]
     rows = pl.ds(pl.multiple_of(block * bf, bf), bf)
     g, half = bk // BLOCK, bk // 2
@@ -70,6 +76,29 @@ def _hidden_kernel(experts_ref, x_ref, w1c_ref, w1s_ref, w3c_ref, w3s_ref, h_ref
             acc = _accumulate(acc, tile, vectors, method, interpret)
         sums.append(jnp.sum(acc, axis=1).astype(h_dtype))
     h_ref[pair, rows] = act(gate[0], up[0]).astype(h_dtype).astype(jnp.float32)
+
+
+def _hidden_kernel(experts_ref, x_ref, w1c_ref, w1s_ref, w3c_ref, w3s_ref, h_ref, *, k: int, **products):
+    """Refs: experts [T*k] int32, then as ``_hidden_products``."""
+    pair = pl.program_id(0)
+    _hidden_products(experts_ref[pair], pair // k, x_ref, w1c_ref, w1s_ref, w3c_ref, w3s_ref, h_ref, **products)
+
+
+def _routed_hidden_kernel(logits_ref, bias_ref, x_ref, w1c_ref, w1s_ref, w3c_ref, w3s_ref, h_ref, experts_ref,
+                          weights_ref, *, k: int, renormalize: bool, scaling: float, **products):
+    """Refs: router logits [T, E'] float32 (padding lanes -inf), correction bias [1, E'], then as
+    ``_hidden_products``; outputs experts [T*k] int32 and weights [T*k] float32 (block 0 of each pair
+    writes its pair's). Every program picks its pair's expert itself (``pick_by_rank``)."""
+    pair, block = pl.program_id(0), pl.program_id(1)
+    token = pair // k
+    expert, weight = pick_by_rank(logits_ref[token, :], bias_ref[0, :], pair % k, k, renormalize, scaling)
+
+    @pl.when(block == 0)
+    def _():
+        experts_ref[pair] = expert
+        weights_ref[pair] = weight
+
+    _hidden_products(expert, token, x_ref, w1c_ref, w1s_ref, w3c_ref, w3s_ref, h_ref, **products)
 
 
 def _down_kernel(experts_ref, weights_ref, h_ref, w2c_ref, w2s_ref, y_ref, *, k: int, br: int, bfb: int,
@@ -95,30 +124,59 @@ def _down_kernel(experts_ref, weights_ref, h_ref, w2c_ref, w2s_ref, y_ref, *, k:
     y_ref[token, rows] = jnp.sum(acc, axis=1).astype(y_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("act", "blocks", "down_blocks", "out_dtype", "interpret"))
-def _fused_moe_mx_split(x, w1, w3, w2, weights, experts, *, act, blocks: MXBlocks, down_blocks: MXBlocks,
-                        out_dtype, interpret: bool):
-    T, R = x.shape
-    k = experts.shape[1]
-    F = w1.shape[1]
-    experts, weights = experts.reshape(-1).astype(jnp.int32), weights.reshape(-1).astype(jnp.float32)
-    common = dict(method=blocks.decode, interpret=interpret)
-    h = pl.pallas_call(
-        functools.partial(_hidden_kernel, k=k, bf=blocks.bn, bk=blocks.bk, act=act, h_dtype=x.dtype, **common),
-        out_shape=jax.ShapeDtypeStruct((T * k, F), jnp.float32),
+def _hidden_call(kernel, T: int, k: int, F: int, blocks: MXBlocks, outputs: tuple, interpret: bool):
+    """The hidden kernel's pallas_call: grid (pairs, F / bn), h [T*k, F] float32 first among its outputs."""
+    return pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((T * k, F), jnp.float32), *outputs),
         grid=(T * k, F // blocks.bn),
         compiler_params=_gpu_compiler_params(blocks, interpret),
         interpret=interpret,
         name="fused_moe_hidden",
-    )(experts, x.astype(jnp.bfloat16), *_stack_views(w1, False), *_stack_views(w3, False))
+    )
+
+
+def _down_call(experts, weights, h, w2: MXTensor, T: int, R: int, down_blocks: MXBlocks, out_dtype, method: str,
+               interpret: bool) -> Array:
     return pl.pallas_call(
-        functools.partial(_down_kernel, k=k, br=down_blocks.bn, bfb=down_blocks.bk, **common),
+        functools.partial(_down_kernel, k=experts.shape[0] // T, br=down_blocks.bn, bfb=down_blocks.bk,
+                          method=method, interpret=interpret),
         out_shape=jax.ShapeDtypeStruct((T, R), out_dtype),
         grid=(T, R // down_blocks.bn),
         compiler_params=_gpu_compiler_params(down_blocks, interpret),
         interpret=interpret,
         name="fused_moe_down",
     )(experts, weights, h, *_stack_views(w2, False))
+
+
+def _products(x, blocks: MXBlocks, act, interpret: bool) -> dict:
+    return dict(bf=blocks.bn, bk=blocks.bk, act=act, h_dtype=x.dtype, method=blocks.decode, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("act", "blocks", "down_blocks", "out_dtype", "interpret"))
+def _fused_moe_mx_split(x, w1, w3, w2, weights, experts, *, act, blocks: MXBlocks, down_blocks: MXBlocks,
+                        out_dtype, interpret: bool):
+    T, R = x.shape
+    k = experts.shape[1]
+    experts, weights = experts.reshape(-1).astype(jnp.int32), weights.reshape(-1).astype(jnp.float32)
+    kernel = functools.partial(_hidden_kernel, k=k, **_products(x, blocks, act, interpret))
+    h = _hidden_call(kernel, T, k, w1.shape[1], blocks, (), interpret)(
+        experts, x.astype(jnp.bfloat16), *_stack_views(w1, False), *_stack_views(w3, False))[0]
+    return _down_call(experts, weights, h, w2, T, R, down_blocks, out_dtype, blocks.decode, interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("act", "k", "renormalize", "scaling", "blocks", "down_blocks",
+                                             "out_dtype", "interpret"))
+def _routed_moe_mx_split(x, w1, w3, w2, logits, correction_bias, *, act, k: int, renormalize: bool, scaling: float,
+                         blocks: MXBlocks, down_blocks: MXBlocks, out_dtype, interpret: bool):
+    T, R = x.shape
+    logits, bias = padded_router_inputs(logits, correction_bias)
+    kernel = functools.partial(_routed_hidden_kernel, k=k, renormalize=renormalize, scaling=scaling,
+                               **_products(x, blocks, act, interpret))
+    pairs = (jax.ShapeDtypeStruct((T * k,), jnp.int32), jax.ShapeDtypeStruct((T * k,), jnp.float32))
+    h, experts, weights = _hidden_call(kernel, T, k, w1.shape[1], blocks, pairs, interpret)(
+        logits, bias, x.astype(jnp.bfloat16), *_stack_views(w1, False), *_stack_views(w3, False))
+    return _down_call(experts, weights, h, w2, T, R, down_blocks, out_dtype, blocks.decode, interpret)
 
 
 # Hidden kernel: bn hidden units per program, bk contracted elements per tile (the accumulator's width is
@@ -132,6 +190,19 @@ SPLIT_MOE_DOWN_BLOCKS_ONE_TOKEN = MXBlocks(bm=1, bn=1, bk=256, num_warps=2, num_
 SPLIT_MIN_TOKENS = 1  # tokens from which the MoE layer takes these two kernels over the one-kernel MoE
 
 
+def _fit(w1: MXTensor, tokens: int, blocks: MXBlocks, down_blocks: MXBlocks | None) -> tuple[MXBlocks, MXBlocks]:
+    """The tiles shrunk to fit w1's F and R (see ``fused_moe_mx_split``); the down tiles by the token count
+    when not given."""
+    _, F, R = w1.shape
+    if down_blocks is None:
+        down_blocks = SPLIT_MOE_DOWN_BLOCKS_ONE_TOKEN if tokens == 1 else SPLIT_MOE_DOWN_BLOCKS
+    scale_blocks = lambda n, cap: BLOCK * _largest_pow2_divisor(n // BLOCK, max(cap // BLOCK, 1))
+    blocks = dataclasses.replace(blocks, bn=_largest_pow2_divisor(F, blocks.bn), bk=scale_blocks(R, blocks.bk))
+    down_blocks = dataclasses.replace(down_blocks, bn=_largest_pow2_divisor(R, down_blocks.bn),
+                                      bk=scale_blocks(F, down_blocks.bk))
+    return blocks, down_blocks
+
+
 def fused_moe_mx_split(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, weights: Array, experts: Array, act, *,
                        blocks: MXBlocks = SPLIT_MOE_BLOCKS, down_blocks: MXBlocks | None = None,
                        out_dtype=None, interpret: bool | None = None) -> Array:
@@ -143,17 +214,35 @@ def fused_moe_mx_split(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, weigh
     ``SPLIT_MOE_DOWN_BLOCKS_ONE_TOKEN`` for one token, else ``SPLIT_MOE_DOWN_BLOCKS``. Each program
     unrolls its tiles, so R / blocks.bk and k * F / down_blocks.bk set the kernels' code size."""
     _check_moe_operands(x, w1, w3, w2, weights, experts)
-    _, F, R = w1.shape
-    if down_blocks is None:
-        down_blocks = SPLIT_MOE_DOWN_BLOCKS_ONE_TOKEN if x.shape[0] == 1 else SPLIT_MOE_DOWN_BLOCKS
-    scale_blocks = lambda n, cap: BLOCK * _largest_pow2_divisor(n // BLOCK, max(cap // BLOCK, 1))
-    blocks = dataclasses.replace(blocks, bn=_largest_pow2_divisor(F, blocks.bn), bk=scale_blocks(R, blocks.bk))
-    down_blocks = dataclasses.replace(down_blocks, bn=_largest_pow2_divisor(R, down_blocks.bn),
-                                      bk=scale_blocks(F, down_blocks.bk))
+    blocks, down_blocks = _fit(w1, x.shape[0], blocks, down_blocks)
     interpret = pallas_interpret() if interpret is None else interpret
     return _fused_moe_mx_split(x, w1, w3, w2, weights, experts, act=act, blocks=blocks, down_blocks=down_blocks,
                                out_dtype=jnp.dtype(x.dtype if out_dtype is None else out_dtype), interpret=interpret)
 
 
+def routed_moe_mx_split(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, logits: Array, correction_bias: Array,
+                        act, *, k: int, renormalize: bool, scaling_factor: float, blocks: MXBlocks = SPLIT_MOE_BLOCKS,
+                        down_blocks: MXBlocks | None = None, out_dtype=None,
+                        interpret: bool | None = None) -> Array:
+    """The router's selection and ``fused_moe_mx_split`` in the same two kernels: from the router logits
+    [T, E] (float32) and correction bias [E], each hidden program picks its pair's expert and weight
+    (``pallas_kernels.route.pick_by_rank``: ``select_experts``' k, renormalize and scaling factor), so
+    no selection kernel runs before them; the down kernel reads the pairs the hidden kernel wrote.
+    Other arguments as ``fused_moe_mx_split``."""
+    T, E = logits.shape
+    if x.ndim != 2 or T != x.shape[0] or correction_bias.shape != (E,) or E != w1.shape[0]:
+        raise ValueError(f"x [T, R] = {x.shape}, logits [T, E] = {logits.shape}, correction_bias [E] = "
+                         f"{correction_bias.shape} and w1 [E, F, R] = {w1.shape} disagree")
+    if not 1 <= k <= E:
+        raise ValueError(f"k = {k}: must be between 1 and the {E} experts")
+    pairs = jax.ShapeDtypeStruct((T, k), jnp.int32)
+    _check_moe_operands(x, w1, w3, w2, pairs, pairs)
+    blocks, down_blocks = _fit(w1, T, blocks, down_blocks)
+    interpret = pallas_interpret() if interpret is None else interpret
+    return _routed_moe_mx_split(x, w1, w3, w2, logits, correction_bias, act=act, k=k, renormalize=renormalize,
+                                scaling=float(scaling_factor), blocks=blocks, down_blocks=down_blocks,
+                                out_dtype=jnp.dtype(x.dtype if out_dtype is None else out_dtype), interpret=interpret)
+
+
 __all__ = ["SPLIT_MIN_TOKENS", "SPLIT_MOE_BLOCKS", "SPLIT_MOE_DOWN_BLOCKS", "SPLIT_MOE_DOWN_BLOCKS_ONE_TOKEN",
-           "fused_moe_mx_split"]
+           "fused_moe_mx_split", "routed_moe_mx_split"]
