@@ -12,7 +12,8 @@ Each switch turns one change off (module attributes read while a prefill chunk i
 - concatenated short convs: KDA's short convs as one conv over q, k and v side by side, split after
   (the form before the thirteenth session), not one conv per input.
 Variants: the default, each switch alone, all the changes off. Also prints each variant's last-token
-logits against the default's.
+logits against the default's. Each variant compiles its own 8K prefill (80-110 s each on the H200), so
+within a 10-minute call name one or two variants.
 """
 
 from __future__ import annotations
