@@ -364,3 +364,54 @@ def test_routed_moe_lowers_for_cuda_through_triton():
     args = [jax.ShapeDtypeStruct((1, R), jnp.bfloat16), jax.ShapeDtypeStruct((1, E), jnp.float32),
             jax.ShapeDtypeStruct((E,), jnp.float32)]
     assert "xla.gpu.triton" in jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+# Grouped Mosaic GPU kernel (mosaic_gpu_grouped.py): rows in tiles of one group each.
+GROUP_SIZES_TILED = jnp.array([7, 0, 20, 1, 9], jnp.int32)  # 37 of 40 rows; group 1 empty
+
+
+def test_tiled_rows_layout():
+    """Each group's rows start a tile of 8; tiles past the groups' (and the padding to 32) get G."""
+    from pallas_kernels.mx_matmul.mosaic_gpu_grouped import tiled_rows
+
+    dest, tile_groups = tiled_rows(GROUP_SIZES_TILED, 40, 8)
+    expected = list(range(7)) + list(range(8, 28)) + [32] + list(range(40, 49)) + [80] * 3
+    np.testing.assert_array_equal(np.asarray(dest), expected)
+    np.testing.assert_array_equal(np.asarray(tile_groups), [0, 2, 2, 2, 3, 4, 4] + [5] * 25)
+
+
+@pytest.mark.parametrize("bm,bk,stages,k", [(8, 128, 2, 160), (16, 256, 3, 544)])
+def test_grouped_mosaic_gpu_matches_reference(bm, bk, stages, k):
+    """The grouped Mosaic GPU kernel in interpret mode: an empty group, rows past the groups (zero),
+    N and K not multiples of 64 and bk; K = 544 at bk 256 refills the pipeline's slots."""
+    G, n, m = 5, 96, 40
+    w = MXTensor.quantize(jax.random.normal(jax.random.key(60 + bm), (G, n, k)) * 0.05)
+    x = bf16_normal(jax.random.key(61 + bm), (m, k))
+    blocks = MXBlocks(bm=bm, bk=bk, num_stages=stages, mosaic_gpu=True)
+    out = grouped_mx_matmul(x, w, GROUP_SIZES_TILED, blocks=blocks, out_dtype=jnp.float32)
+    assert out.shape == (m, n)
+    assert rel_err(out, grouped_mx_matmul_reference(x, w, GROUP_SIZES_TILED)) < 1e-5
+    assert not np.any(np.asarray(out[37:]))
+    if bm == 8:  # W4A8: MXFP8 x decodes exactly to the bf16 operand
+        xq = MXTensor.quantize(x, "mxfp8")
+        out = grouped_mx_matmul(xq, w, GROUP_SIZES_TILED, blocks=blocks, out_dtype=jnp.float32)
+        assert rel_err(out, grouped_mx_matmul_reference(xq, w, GROUP_SIZES_TILED)) < 1e-5
+
+
+def test_grouped_mosaic_gpu_lowers_for_cuda_and_checks_arguments():
+    """Pallas' Mosaic GPU lowering for CUDA at mini's prefill gate shape (2048 rows over 64 experts), bf16
+    out; a tile height that is not a multiple of 8 and mismatched scales raise."""
+    from pallas_kernels.mx_matmul.mosaic_gpu import MosaicBlocks
+    from pallas_kernels.mx_matmul.mosaic_gpu_grouped import grouped_mx_matmul_mosaic
+
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in [((2048, 1024), jnp.bfloat16), ((64, 768, 512), jnp.uint8),
+                                                    ((64, 768, 32), jnp.uint8), ((64,), jnp.int32)]]
+    for bm, blocks in [(128, MosaicBlocks(128, 3)), (64, MosaicBlocks(256, 2))]:
+        fn = lambda x, c, s, g, b=blocks, bm=bm: grouped_mx_matmul_mosaic(x, c, s, g, bm=bm, blocks=b,
+                                                                           out_dtype=jnp.bfloat16)
+        assert "mosaic_gpu" in jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    x, codes, scales = jnp.zeros((4, 64), jnp.bfloat16), jnp.zeros((2, 64, 32), jnp.uint8), jnp.zeros((2, 64, 2), jnp.uint8)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        grouped_mx_matmul_mosaic(x, codes, scales, jnp.array([2, 2]), bm=12)
+    with pytest.raises(ValueError, match="disagree"):
+        grouped_mx_matmul_mosaic(x, codes, scales[:, :, :1], jnp.array([2, 2]))

@@ -70,8 +70,9 @@ class MXBlocks:
     products and sums on the CUDA cores instead of a dot (not with weights_lhs or
     decode_then_dot); mosaic_gpu: dense, at most 64 rows, the Mosaic GPU kernel of
     ``mosaic_gpu.py`` (64 weight rows per program, steps of bk = 128 or 256, num_stages steps in
-    flight; the other fields are ignored). ``ops.py`` shrinks the tiles to fit a shape (bm to at
-    least 16 unless gemv; not for mosaic_gpu, which pads).
+    flight; the other fields are ignored), or grouped, the kernel of ``mosaic_gpu_grouped.py`` (the
+    same, over tiles of bm rows of x, bm a multiple of 8 up to 256). ``ops.py`` shrinks the tiles
+    to fit a shape (bm to at least 16 unless gemv; not for mosaic_gpu, which pads).
     """
 
     bm: int = 64

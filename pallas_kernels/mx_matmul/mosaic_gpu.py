@@ -288,18 +288,30 @@ def _warpgroup_barrier():
 def _kernel(codes_g, scales_g, x_g, out_g, codes_s, scales_s, x_s, out_s, bars, scale_bar, *,
             n_steps: int, m: int, blocks: MosaicBlocks, interpret: bool):
     """One program: 64 weight rows, one warpgroup."""
-    bk, stages = blocks.bk, blocks.stages
     row0 = jax.lax.axis_index("rows") * ROWS
+    if blocks.out_mn:  # out_s [Mp, 64]: its first M rows
+        out_src, out_dst = out_s.at[pl.ds(0, m)], out_g.at[:, pl.ds(row0, ROWS)]
+    else:  # out_s [64, Mp]
+        out_src, out_dst = out_s, out_g.at[pl.ds(row0, ROWS)]
+    _program(codes_g, scales_g, x_g, pl.ds(row0, ROWS), slice(None), out_src, out_dst, codes_s, scales_s, x_s,
+             out_s, bars, scale_bar, n_steps=n_steps, blocks=blocks, transposed_out=blocks.out_mn, interpret=interpret)
+
+
+def _program(codes_g, scales_g, x_g, w_rows, x_rows, out_src, out_dst, codes_s, scales_s, x_s, out_s, bars,
+             scale_bar, *, n_steps: int, blocks: MosaicBlocks, transposed_out: bool, interpret: bool):
+    """A program's work: weight rows ``w_rows`` (64) of codes_g [., K/2] and scales_g [., K/32 padded]
+    times rows ``x_rows`` (Mp) of x_g [., K] into a float32 [64, Mp] accumulator, stored to out_s
+    (transposed: [Mp, 64]) and copied from its view ``out_src`` to GMEM ``out_dst``."""
+    bk, stages = blocks.bk, blocks.stages
     n_scale_cols = scales_s.shape[1]
 
     def fetch(step, slot):
-        plgpu.copy_gmem_to_smem(codes_g.at[pl.ds(row0, ROWS), pl.ds(step * (bk // 2), bk // 2)],
-                                codes_s.at[slot], bars.at[slot])
-        plgpu.copy_gmem_to_smem(x_g.at[:, pl.ds(step * bk, bk)], x_s.at[slot], bars.at[slot])
+        plgpu.copy_gmem_to_smem(codes_g.at[w_rows, pl.ds(step * (bk // 2), bk // 2)], codes_s.at[slot], bars.at[slot])
+        plgpu.copy_gmem_to_smem(x_g.at[x_rows, pl.ds(step * bk, bk)], x_s.at[slot], bars.at[slot])
 
     for start in range(0, n_scale_cols, _TMA_MAX_BOX):
         cols = pl.ds(start, min(_TMA_MAX_BOX, n_scale_cols - start))
-        plgpu.copy_gmem_to_smem(scales_g.at[pl.ds(row0, ROWS), cols], scales_s.at[:, cols], scale_bar.at[0])
+        plgpu.copy_gmem_to_smem(scales_g.at[w_rows, cols], scales_s.at[:, cols], scale_bar.at[0])
     for step in range(min(stages, n_steps)):
         fetch(step, step)
     plgpu.barrier_wait(scale_bar.at[0])
@@ -344,17 +356,15 @@ def _kernel(codes_g, scales_g, x_g, out_g, codes_s, scales_s, x_s, out_s, bars, 
             return acc_ref[...]
 
         acc = pl.run_scoped(accumulate, plgpu.ACC((ROWS, x_s.shape[1]), _F32))
-    if blocks.out_mn:  # out_s [Mp, 64]
+    if transposed_out:
         if interpret:
             out_s[...] = acc.T.astype(out_s.dtype)
         else:
             _store_transposed()(acc.astype(out_s.dtype), out_s)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_s.at[pl.ds(0, m)], out_g.at[:, pl.ds(row0, ROWS)])
-    else:  # out_s [64, Mp]
+    else:
         out_s[...] = acc.astype(out_s.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_s, out_g.at[pl.ds(row0, ROWS)])
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_src, out_dst)
     plgpu.wait_smem_to_gmem(0)
 
 

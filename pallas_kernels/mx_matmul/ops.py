@@ -241,11 +241,24 @@ def _work_items(group_sizes: Array, m: int, bm: int, n_items: int) -> Array:
     return jnp.stack([group, jnp.where(valid, tile, 0), lo, hi]).astype(jnp.int32)
 
 
+def _grouped_mosaic_gpu(x, w: MXTensor, group_sizes, blocks: MXBlocks, out_dtype, interpret: bool) -> Array:
+    """The grouped Mosaic GPU kernel (``mosaic_gpu_grouped.py``, blocks.bm x rows per tile) on x decoded to
+    bf16 (exact for MXFP8 x)."""
+    from pallas_kernels.mx_matmul import mosaic_gpu, mosaic_gpu_grouped
+
+    xv = x.decode(jnp.bfloat16) if isinstance(x, MXTensor) else x.astype(jnp.bfloat16)
+    return mosaic_gpu_grouped.grouped_mx_matmul_mosaic(
+        xv, w.codes, w.scales, group_sizes, bm=blocks.bm, blocks=mosaic_gpu.MosaicBlocks(blocks.bk, blocks.num_stages),
+        out_dtype=out_dtype, interpret=mosaic_gpu.interpret_params() if interpret else False)
+
+
 @functools.partial(jax.jit, static_argnames=("blocks", "out_dtype", "interpret"))
 def _grouped_mx_matmul(x, w, group_sizes, *, blocks, out_dtype, interpret):
     m, n, k, g = _check_grouped(x, w, group_sizes)
     if blocks.decode_then_dot:
         raise ValueError("decode_then_dot is dense only; grouped_mx_matmul always runs the fused kernel")
+    if blocks.mosaic_gpu:
+        return _grouped_mosaic_gpu(x, w, group_sizes, blocks, out_dtype, interpret)
     n_pad = -(-n // _MIN_TILE) * _MIN_TILE
     b = _fit_blocks(blocks, m, n_pad, k)
     m_pad = -(-m // b.bm) * b.bm

@@ -1,0 +1,76 @@
+"""The grouped MX matmul at a prefill chunk's size: the Triton kernel's tiles against the grouped Mosaic GPU
+kernel (``pallas_kernels/mx_matmul/mosaic_gpu_grouped.py``), with XLA's dense bf16 dot of the same FLOPs as
+the roofline peer, all in one process. Every form is checked against the float32 reference first.
+
+    python3 benchmarks/grouped_prefill.py [--tokens 2048] [--budget 400]
+
+Shape: `mini`'s routed experts (64, top 8): gate 1024 -> 768, down 768 -> 1024, and gate and up as one
+1024 -> 1536 stack; tokens x 8 rows under random top-8 routing. Times: median of 5 host-timed loops
+(``mx_matmul.timed``); forms past the time budget are skipped. Table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+
+from mx_matmul import random_bf16, random_mx, rel_err, routing, timed
+from pallas_kernels.mx_matmul import MXBlocks, grouped_mx_matmul, grouped_mx_matmul_reference
+
+EXPERTS, TOP_K = 64, 8
+SHAPES = [("gate", 768, 1024), ("down", 1024, 768), ("gate+up", 1536, 1024)]
+FORMS = {  # name -> blocks
+    "triton 128x128x64 w4 s4 (default)": MXBlocks(128, 128, 64, 4, 4),
+    "triton 128x128x64 w8 s4": MXBlocks(128, 128, 64, 8, 4),
+    "mosaic_gpu bm 128, bk 128, 3 stages": MXBlocks(bm=128, bk=128, num_stages=3, mosaic_gpu=True),
+    "mosaic_gpu bm 128, bk 256, 2 stages": MXBlocks(bm=128, bk=256, num_stages=2, mosaic_gpu=True),
+    "mosaic_gpu bm 256, bk 128, 2 stages": MXBlocks(bm=256, bk=128, num_stages=2, mosaic_gpu=True),
+    "mosaic_gpu bm 64, bk 256, 3 stages": MXBlocks(bm=64, bk=256, num_stages=3, mosaic_gpu=True),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--budget", type=float, default=400.0, help="seconds; later forms are skipped")
+    args = ap.parse_args()
+    start = time.perf_counter()
+    print(jax.devices()[0].device_kind, jax.__version__, flush=True)
+    key = jax.random.key(0)
+    sizes = routing(key, args.tokens, EXPERTS, TOP_K)
+    m = args.tokens * TOP_K
+    dense = jax.jit(lambda x, wb: jnp.dot(x, wb, preferred_element_type=jnp.float32).astype(x.dtype))
+    rows = []
+    for name, n, k in SHAPES:
+        kw, kx = jax.random.split(jax.random.fold_in(key, n))
+        w = random_mx(kw, (EXPERTS, n, k))
+        x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
+        flops = 2.0 * m * n * k
+        ref = grouped_mx_matmul_reference(x, w, sizes)
+        for form, blocks in FORMS.items():
+            if time.perf_counter() - start > args.budget:
+                print(f"budget spent: {name} {form} skipped", flush=True)
+                continue
+            fn = jax.jit(lambda x, w, gs, b=blocks: grouped_mx_matmul(x, w, gs, blocks=b))
+            try:
+                err = rel_err(fn(x, w, sizes).astype(jnp.float32), ref)
+                seconds = timed(fn, x, w, sizes, max_iters=50)
+            except Exception as e:  # a form that does not compile or run is reported, not fatal
+                print(f"{name} {form}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
+                continue
+            rows.append((name, form, seconds * 1e6, flops / seconds / 1e12, err))
+            print(rows[-1], flush=True)
+        seconds = timed(dense, x, random_bf16(kx, (k, n)), max_iters=50)
+        rows.append((name, "XLA dense bf16 dot, same FLOPs", seconds * 1e6, flops / seconds / 1e12, float("nan")))
+        print(rows[-1], flush=True)
+    print(f"\n{args.tokens} tokens x top {TOP_K} of {EXPERTS} experts = {m} rows; rel err against the float32 "
+          "reference (bf16 outputs)\n\n| shape | form | us | TF/s | rel err |\n|---|---|---|---|---|")
+    for name, form, us, tflops, err in rows:
+        print(f"| {name} | {form} | {us:.1f} | {tflops:.0f} | {err:.1e} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""Grouped (ragged) MXFP4 matmul for prefill-sized groups, lowered through Mosaic GPU.
+
+Each program is the dense decode kernel's program (``mosaic_gpu._program``: 64 weight rows decoded in
+registers straight into wgmma's A operand, a tile of x rows as the B operand, TMA pipelines for both)
+with the x tile widened to ``bm`` rows (wgmma's N up to 256), so one decoded weight tile serves bm
+tokens: the decode that bounds the decode shapes is spread over many rows here.
+
+Rows are taken in a *tiled layout*: row tile t (rows [t bm, (t + 1) bm)) holds rows of group
+``tile_groups[t]`` only (each group's rows start at a tile boundary; a tile's unused tail is padding),
+or of none (``tile_groups[t]`` = G: its programs do nothing). So every program reads one group's
+weights and writes whole output tiles, with no row masks. ``tiled_rows`` makes the layout from
+``group_sizes``; ``grouped_mx_matmul_mosaic`` takes x [M, K] with rows sorted by group (the grouped
+kernels' contract), scatters them into it and gathers the output rows back.
+
+Program (64 weight rows n, row tile t): one TMA brings the 32 tile groups around t into shared memory,
+then with g = tile_groups[t] it multiplies rows [g N + 64 n, + 64) of the stack viewed as [G N, K] by
+x's row tile t and writes its [bm, 64] output tile (transposed from the [64, bm] accumulator). The
+grid runs the weight tiles of one row tile together, so they share its x tile in L2.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from k3jax.mx import BLOCK, ZERO_BLOCK_SCALE_BYTE
+from k3jax.typing import Array
+from pallas_kernels.mx_matmul.mosaic_gpu import (
+    _SCALE_COLUMN_ALIGN,
+    _TMA_MAX_BOX,
+    ROWS,
+    MosaicBlocks,
+    _pad2,
+    _program,
+    _round_up,
+    _x_tile_transforms,
+    k_permutation,
+)
+from pallas_kernels.mx_matmul.ops import _pad_axis
+
+_GROUPS_PER_COPY = 32  # tile groups (int32) per copy: 128 bytes, a multiple of the warpgroup size as Mosaic GPU asks
+DEFAULT_BM = 128  # x rows per tile (wgmma's N); untuned
+DEFAULT_BLOCKS = MosaicBlocks(bk=128, stages=3)  # untuned
+
+
+def tiled_rows(group_sizes: Array, m: int, bm: int) -> tuple[Array, Array]:
+    """group_sizes int32 [G] of M rows sorted by group -> (row of each sorted row in the tiled layout
+    int32 [M] (T bm for rows past the groups), tile_groups int32 [T'], T' = T rounded up to 32,
+    T = ceil(M / bm) + G the tiles' static bound; tiles past the groups' get G)."""
+    sizes = group_sizes.astype(jnp.int32)
+    n_groups = sizes.shape[0]
+    n_tiles = -(-m // bm) + n_groups
+    tiles = (sizes + bm - 1) // bm
+    row_ends, tile_ends = jnp.cumsum(sizes), jnp.cumsum(tiles)
+    rows = jnp.arange(m, dtype=jnp.int32)
+    group = jnp.searchsorted(row_ends, rows, side="right").astype(jnp.int32)
+    g = jnp.minimum(group, n_groups - 1)
+    dest = (tile_ends[g] - tiles[g]) * bm + rows - (row_ends[g] - sizes[g])
+    dest = jnp.where(group < n_groups, dest, n_tiles * bm)
+    tile_ids = jnp.arange(_round_up(n_tiles, _GROUPS_PER_COPY), dtype=jnp.int32)
+    tile_groups = jnp.searchsorted(tile_ends, tile_ids, side="right").astype(jnp.int32)
+    return dest, jnp.where(tile_ids < n_tiles, jnp.minimum(tile_groups, n_groups), n_groups)
+
+
+def _kernel(groups_g, codes_g, scales_g, x_g, out_g, groups_s, codes_s, scales_s, x_s, out_s, bars, scale_bar,
+            group_bar, *, n_rows: int, n_groups: int, n_steps: int, bm: int, blocks: MosaicBlocks, interpret: bool):
+    """Program (weight tile "rows", row tile "tiles"): one warpgroup."""
+    col0 = jax.lax.axis_index("rows") * ROWS
+    tile = jax.lax.axis_index("tiles")
+    first = pl.multiple_of(tile // _GROUPS_PER_COPY * _GROUPS_PER_COPY, _GROUPS_PER_COPY)
+    plgpu.copy_gmem_to_smem(groups_g.at[pl.ds(first, _GROUPS_PER_COPY)], groups_s, group_bar.at[0])
+    plgpu.barrier_wait(group_bar.at[0])
+    group = groups_s[tile - first]
+
+    @pl.when(group < n_groups)
+    def _():
+        row0 = pl.multiple_of(tile * bm, bm)
+        _program(codes_g, scales_g, x_g, pl.ds(group * n_rows + col0, ROWS), pl.ds(row0, bm), out_s,
+                 out_g.at[pl.ds(row0, bm), pl.ds(col0, ROWS)], codes_s, scales_s, x_s, out_s, bars, scale_bar,
+                 n_steps=n_steps, blocks=blocks, transposed_out=True, interpret=interpret)
+
+
+def grouped_mx_matmul_mosaic(x: Array, codes: Array, scales: Array, group_sizes: Array, *, bm: int = DEFAULT_BM,
+                             blocks: MosaicBlocks = DEFAULT_BLOCKS, out_dtype=jnp.float32, interpret=False) -> Array:
+    """x bf16 [M, K] rows sorted by group, MXFP4 codes uint8 [G, N, K/2] and scales uint8 [G, N, K/32],
+    group_sizes int32 [G] -> out_dtype [M, N]: rows of group g times w[g]^T (float32 accumulation,
+    rounded once); rows past sum(group_sizes) are zero.
+
+    bm: x rows per tile, a multiple of 8 up to 256. Pads N to 64 rows, K to bk and the scale columns
+    to 16 bytes, permutes x's columns within each bk tile (``k_permutation``), and scatters x's rows
+    into the tiled layout (``tiled_rows``), gathering the output's back. ``interpret``: False on the
+    GPU, or ``interpret_params()`` on a CPU.
+    """
+    m, k = x.shape
+    n_groups, n, _ = codes.shape
+    if group_sizes.shape != (n_groups,) or scales.shape != (n_groups, n, k // BLOCK) or codes.shape[2] * 2 != k:
+        raise ValueError(f"x [M, K] = {x.shape}, codes [G, N, K/2] = {codes.shape}, scales [G, N, K/32] = "
+                         f"{scales.shape} and group_sizes [G] = {group_sizes.shape} disagree")
+    if bm % 8 or not 8 <= bm <= _TMA_MAX_BOX:
+        raise ValueError(f"bm = {bm}: x rows per tile must be a multiple of 8 from 8 to {_TMA_MAX_BOX}")
+    bk, stages = blocks.bk, blocks.stages
+    np_, kp = _round_up(n, ROWS), _round_up(k, bk)
+    n_scale_cols = _round_up(kp // BLOCK, _SCALE_COLUMN_ALIGN)
+    codes = _pad_axis(_pad_axis(codes, 1, np_, 0), 2, kp // 2, 0).reshape(n_groups * np_, kp // 2)
+    scales = _pad_axis(_pad_axis(scales, 1, np_, ZERO_BLOCK_SCALE_BYTE), 2, n_scale_cols, ZERO_BLOCK_SCALE_BYTE)
+    scales = scales.reshape(n_groups * np_, n_scale_cols)
+    dest, tile_groups = tiled_rows(group_sizes, m, bm)
+    n_tiles = -(-m // bm) + n_groups
+    columns = (np.arange(kp) // bk) * bk + np.tile(k_permutation(bk), kp // bk)
+    x_perm = _pad2(x.astype(jnp.bfloat16), m, kp, 0)[:, columns]
+    x_tiled = jnp.zeros((n_tiles * bm, kp), jnp.bfloat16).at[dest].set(x_perm, mode="drop")
+    scratch = [
+        plgpu.SMEM((_GROUPS_PER_COPY,), jnp.int32),
+        plgpu.SMEM((stages, ROWS, bk // 2), jnp.uint8),
+        plgpu.SMEM((ROWS, n_scale_cols), jnp.uint8),
+        plgpu.SMEM((stages, bm, bk), jnp.bfloat16, transforms=_x_tile_transforms()),
+        plgpu.SMEM((bm, ROWS), out_dtype),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=-(-n_scale_cols // _TMA_MAX_BOX), num_barriers=1),
+        plgpu.Barrier(num_arrivals=1, num_barriers=1),
+    ]
+    kernel = functools.partial(_kernel, n_rows=np_, n_groups=n_groups, n_steps=kp // bk, bm=bm, blocks=blocks,
+                               interpret=bool(interpret))
+    out = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((n_tiles * bm, np_), out_dtype),
+        scratch_types=scratch, grid=(np_ // ROWS, n_tiles), grid_names=("rows", "tiles"),
+        compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=True), interpret=interpret or None,
+    )(tile_groups, codes, scales, x_tiled)
+    return out.at[dest, :n].get(mode="fill", fill_value=0)
+
+
+__all__ = ["DEFAULT_BLOCKS", "DEFAULT_BM", "grouped_mx_matmul_mosaic", "tiled_rows"]
