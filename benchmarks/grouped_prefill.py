@@ -2,7 +2,7 @@
 kernel (``pallas_kernels/mx_matmul/mosaic_gpu_grouped.py``), with XLA's dense bf16 dot of the same FLOPs as
 the roofline peer, all in one process. Every form is checked against the float32 reference first.
 
-    python3 benchmarks/grouped_prefill.py [--tokens 2048] [--budget 400]
+    python3 benchmarks/grouped_prefill.py [--tokens 2048] [--budget 400] [--forms NAME ...]
 
 Shape: `mini`'s routed experts (64, top 8): gate 1024 -> 768, down 768 -> 1024, and gate and up as one
 1024 -> 1536 stack; tokens x 8 rows under random top-8 routing. Times: median of 5 host-timed loops
@@ -36,7 +36,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--budget", type=float, default=400.0, help="seconds; later forms are skipped")
+    ap.add_argument("--forms", nargs="*", default=list(FORMS), help="forms to run, in this order (names of FORMS)")
     args = ap.parse_args()
+    unknown = sorted(set(args.forms) - set(FORMS))
+    if unknown:
+        ap.error(f"unknown forms {unknown}; choose from {list(FORMS)}")
     start = time.perf_counter()
     print(jax.devices()[0].device_kind, jax.__version__, flush=True)
     key = jax.random.key(0)
@@ -50,7 +54,8 @@ def main() -> None:
         x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
         flops = 2.0 * m * n * k
         ref = grouped_mx_matmul_reference(x, w, sizes)
-        for form, blocks in FORMS.items():
+        for form in args.forms:
+            blocks = FORMS[form]
             if time.perf_counter() - start > args.budget:
                 print(f"budget spent: {name} {form} skipped", flush=True)
                 continue
