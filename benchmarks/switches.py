@@ -1,5 +1,6 @@
 """Variant switches of the A/B benchmarks (``decode_variants.py``, ``prefill_variants.py``): each change
-is a module attribute read while a step is traced, with the value that turns the change off."""
+is a module attribute read while a step is traced, with the value that turns the change off; each
+candidate (a form not yet taken by default) an attribute with the value that turns it on."""
 
 from __future__ import annotations
 
@@ -7,16 +8,19 @@ import argparse
 
 
 class Switches:
-    """``off``: a change's name -> (owner, attribute, value with the change off). Variants: "default"
-    (every change on), each change off alone (by its name), "all off"."""
+    """``off``: a change's name -> (owner, attribute, value with the change off); ``candidates``: a
+    candidate's name -> (owner, attribute, value with it on). Variants: "default" (every change on, no
+    candidate), each change off alone and each candidate on alone (by its name), "all off" (every change
+    off, no candidate)."""
 
-    def __init__(self, off: dict[str, tuple[object, str, object]]):
-        self.off = off
-        self.original = {name: getattr(owner, attribute) for name, (owner, attribute, _) in off.items()}
-        self.variants = {"default": (), **{name: (name,) for name in off}, "all off": tuple(off)}
+    def __init__(self, off: dict[str, tuple[object, str, object]],
+                 candidates: dict[str, tuple[object, str, object]] | None = None):
+        self.off = {**off, **(candidates or {})}
+        self.original = {name: getattr(owner, attribute) for name, (owner, attribute, _) in self.off.items()}
+        self.variants = {"default": (), **{name: (name,) for name in self.off}, "all off": tuple(off)}
 
     def use(self, variant: str) -> None:
-        """Set the attributes for a variant (its changes off, the others on), for the next trace."""
+        """Set the attributes for a variant (its switches set, the others as they were), for the next trace."""
         for name, (owner, attribute, value) in self.off.items():
             setattr(owner, attribute, value if name in self.variants[variant] else self.original[name])
 

@@ -45,13 +45,18 @@ class Experts(nnx.Module):
         self.w2 = weight((num, width, hidden), hidden)
 
 
+# The Pallas path's grouped MX matmul tiles (``pallas_kernels.mx_matmul.MXBlocks``); None: ``default_blocks``.
+GROUPED_MX_BLOCKS = None
+
+
 def _expert_matmul(x: Array, w: Array | MXTensor, group_sizes: Array) -> Array:
-    """Grouped expert matmul: the MX kernel on the Pallas path, decode-then-``ragged_dot`` otherwise."""
+    """Grouped expert matmul: the MX kernel on the Pallas path (tiles ``GROUPED_MX_BLOCKS``),
+    decode-then-``ragged_dot`` otherwise."""
     if isinstance(w, MXTensor):
         if get_implementation() == "pallas":
             from pallas_kernels.mx_matmul import grouped_mx_matmul
 
-            return grouped_mx_matmul(x, w, group_sizes)
+            return grouped_mx_matmul(x, w, group_sizes, blocks=GROUPED_MX_BLOCKS)
         w = w.decode(x.dtype)
     return grouped_matmul(x, w, group_sizes)
 
