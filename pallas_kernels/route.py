@@ -27,11 +27,17 @@ from k3jax.implementation import pallas_interpret
 from k3jax.typing import Array
 
 
+def _scores_and_choice(logits: Array, bias: Array) -> tuple[Array, Array]:
+    """float32 logits (padding lanes -inf) and bias -> (sigmoid scores, what picks: score + bias, -inf on
+    padding lanes)."""
+    scores = jax.nn.sigmoid(logits)
+    return scores, jnp.where(jnp.isneginf(logits), -jnp.inf, scores + bias)
+
+
 def _select_kernel(logits_ref, bias_ref, weights_ref, experts_ref, *, k: int, renormalize: bool, scaling: float):
     """Refs: logits [1, E'] float32 (padding -inf), bias [1, E'], weights [1, k'] float32, experts
     [1, k'] int32 (k' >= k; slots past k are left zero)."""
-    scores = jax.nn.sigmoid(logits_ref[...])
-    choice = jnp.where(jnp.isneginf(logits_ref[...]), -jnp.inf, scores + bias_ref[...])
+    scores, choice = _scores_and_choice(logits_ref[...], bias_ref[...])
     lanes = jax.lax.broadcasted_iota(jnp.int32, choice.shape, 1)
     slots = jax.lax.broadcasted_iota(jnp.int32, weights_ref.shape, 1)
     width = choice.shape[1]
@@ -49,6 +55,14 @@ def _select_kernel(logits_ref, bias_ref, weights_ref, experts_ref, *, k: int, re
     experts_ref[...] = experts
 
 
+def check_router_inputs(logits: Array, correction_bias: Array, k: int) -> None:
+    """logits [T, E] and correction_bias [E] agree, and 1 <= k <= E (a ValueError naming them if not)."""
+    if logits.ndim != 2 or correction_bias.shape != logits.shape[1:]:
+        raise ValueError(f"logits [T, E] = {logits.shape} and correction_bias [E] = {correction_bias.shape} disagree")
+    if not 1 <= k <= logits.shape[1]:
+        raise ValueError(f"k = {k}: must be between 1 and the {logits.shape[1]} experts")
+
+
 def padded_router_inputs(logits: Array, correction_bias: Array) -> tuple[Array, Array]:
     """logits [T, E], correction_bias [E] -> float32 logits [T, E'] and bias [1, E'], E' the next power
     of two (Triton's widths): padding lanes get -inf logits, so they are never picked."""
@@ -62,8 +76,7 @@ def pick_by_rank(logits: Array, bias: Array, slot, k: int, renormalize: bool, sc
     """One token's router logits and correction bias, float32 [E'] (lanes past the experts: -inf
     logits) -> (expert int32, weight float32) in selection slot ``slot`` (0: the largest score + bias),
     as ``select_experts`` orders them; the weight renormalized over the k chosen and scaled as there."""
-    scores = jax.nn.sigmoid(logits)
-    choice = jnp.where(jnp.isneginf(logits), -jnp.inf, scores + bias)
+    scores, choice = _scores_and_choice(logits, bias)
     width = choice.shape[0]
     mine, theirs = choice[:, None], choice[None, :]  # [i, j]: expert i's choice value, expert j's
     lanes = jax.lax.broadcasted_iota(jnp.int32, (width, width), 0)
@@ -100,13 +113,10 @@ def select_experts(logits: Array, correction_bias: Array, k: int, renormalize: b
                    interpret: bool | None = None) -> tuple[Array, Array]:
     """logits [T, E] (the router's x . gate_weight^T, float32), correction_bias [E] -> (weights
     [T, k] float32, experts [T, k] int32), as ``k3jax.functional.moe.select_experts``."""
-    if logits.ndim != 2 or correction_bias.shape != logits.shape[1:]:
-        raise ValueError(f"logits [T, E] = {logits.shape} and correction_bias [E] = {correction_bias.shape} disagree")
-    if not 1 <= k <= logits.shape[1]:
-        raise ValueError(f"k = {k}: must be between 1 and the {logits.shape[1]} experts")
+    check_router_inputs(logits, correction_bias, k)
     interpret = pallas_interpret() if interpret is None else interpret
     return _select(logits, correction_bias, k=k, renormalize=renormalize, scaling_factor=float(scaling_factor),
                    interpret=interpret)
 
 
-__all__ = ["padded_router_inputs", "pick_by_rank", "select_experts"]
+__all__ = ["check_router_inputs", "padded_router_inputs", "pick_by_rank", "select_experts"]

@@ -165,7 +165,7 @@ class MoE(nnx.Module):
         programs only."""
         from pallas_kernels import mx_matmul
 
-        return tokens == 1 and tokens >= mx_matmul.SPLIT_MIN_TOKENS
+        return tokens == 1 and mx_matmul.SPLIT_MIN_TOKENS <= 1
 
     def _routed(self, z: Array, w1, w3, w2, weights: Array, experts: Array, mesh, fused: bool, fused_out) -> Array:
         """The routed experts' sum for chosen (weights, experts): sharded over a mesh, the fused MoE
@@ -176,7 +176,8 @@ class MoE(nnx.Module):
             from pallas_kernels import mx_matmul
 
             # two kernels (no atomics) from SPLIT_MIN_TOKENS tokens, where the one kernel's atomic adds meet
-            kernels = mx_matmul.fused_moe_mx_split if z.shape[0] >= mx_matmul.SPLIT_MIN_TOKENS else mx_matmul.fused_moe_mx
+            split = z.shape[0] >= mx_matmul.SPLIT_MIN_TOKENS
+            kernels = mx_matmul.fused_moe_mx_split if split else mx_matmul.fused_moe_mx
             return kernels(z, w1, w3, w2, weights, experts, self.act, out_dtype=fused_out)
         if self.dispatch == "sorted":
             return moe_sorted(z, w1, w3, w2, weights, experts, self.act, matmul=_expert_matmul)

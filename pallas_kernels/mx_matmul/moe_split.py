@@ -42,7 +42,7 @@ from k3jax.typing import Array
 from pallas_kernels.mx_matmul.kernel import MXBlocks, _gpu_compiler_params, decode_weight_planes
 from pallas_kernels.mx_matmul.moe import _check_moe_operands, _stack_views
 from pallas_kernels.mx_matmul.ops import _largest_pow2_divisor
-from pallas_kernels.route import padded_router_inputs, pick_by_rank
+from pallas_kernels.route import check_router_inputs, padded_router_inputs, pick_by_rank
 
 
 def _accumulate(acc: Array, tile: tuple[Array, Array], vectors: tuple[Array, Array], method: str,
@@ -229,12 +229,10 @@ def routed_moe_mx_split(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, logi
     (``pallas_kernels.route.pick_by_rank``: ``select_experts``' k, renormalize and scaling factor), so
     no selection kernel runs before them; the down kernel reads the pairs the hidden kernel wrote.
     Other arguments as ``fused_moe_mx_split``."""
+    check_router_inputs(logits, correction_bias, k)
     T, E = logits.shape
-    if x.ndim != 2 or T != x.shape[0] or correction_bias.shape != (E,) or E != w1.shape[0]:
-        raise ValueError(f"x [T, R] = {x.shape}, logits [T, E] = {logits.shape}, correction_bias [E] = "
-                         f"{correction_bias.shape} and w1 [E, F, R] = {w1.shape} disagree")
-    if not 1 <= k <= E:
-        raise ValueError(f"k = {k}: must be between 1 and the {E} experts")
+    if x.ndim != 2 or T != x.shape[0] or E != w1.shape[0]:
+        raise ValueError(f"x [T, R] = {x.shape}, logits [T, E] = {logits.shape} and w1 [E, F, R] = {w1.shape} disagree")
     pairs = jax.ShapeDtypeStruct((T, k), jnp.int32)
     _check_moe_operands(x, w1, w3, w2, pairs, pairs)
     blocks, down_blocks = _fit(w1, T, blocks, down_blocks)
