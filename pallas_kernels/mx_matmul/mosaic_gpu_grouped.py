@@ -63,8 +63,8 @@ def tiled_rows(group_sizes: Array, m: int, bm: int) -> tuple[Array, Array]:
     dest = (tile_ends[g] - tiles[g]) * bm + rows - (row_ends[g] - sizes[g])
     dest = jnp.where(group < n_groups, dest, n_tiles * bm)
     tile_ids = jnp.arange(_round_up(n_tiles, _GROUPS_PER_COPY), dtype=jnp.int32)
-    tile_groups = jnp.searchsorted(tile_ends, tile_ids, side="right").astype(jnp.int32)
-    return dest, jnp.where(tile_ids < n_tiles, jnp.minimum(tile_groups, n_groups), n_groups)
+    # G for every tile past the groups' last (tile_ends[-1] <= T): searchsorted finds no end above it
+    return dest, jnp.searchsorted(tile_ends, tile_ids, side="right").astype(jnp.int32)
 
 
 def _kernel(groups_g, codes_g, scales_g, x_g, out_g, groups_s, codes_s, scales_s, x_s, out_s, bars, scale_bar,
