@@ -373,7 +373,33 @@ def _round_up(n: int, m: int) -> int:
 
 
 def _pad2(a: Array, rows: int, cols: int, value) -> Array:
-    return _pad_axis(_pad_axis(a, 0, rows, value), 1, cols, value)
+    """a [..., R, C] padded to [..., rows, cols]."""
+    return _pad_axis(_pad_axis(a, a.ndim - 2, rows, value), a.ndim - 1, cols, value)
+
+
+def _program_operands(x: Array, codes: Array, scales: Array, x_rows: int, bk: int):
+    """The programs' operands: codes [..., N, K/2] and scales [..., N, K/32] padded to 64-row tiles, bk
+    steps and 16-byte scale rows, x [M, K] as bf16 [x_rows, Kp] with its columns permuted within each bk
+    tile (``k_permutation``). Returns (codes, scales, x, N padded, Kp, scale columns)."""
+    n, k = codes.shape[-2], x.shape[1]
+    np_, kp = _round_up(n, ROWS), _round_up(k, bk)
+    n_scale_cols = _round_up(kp // BLOCK, _SCALE_COLUMN_ALIGN)
+    columns = (np.arange(kp) // bk) * bk + np.tile(k_permutation(bk), kp // bk)
+    return (_pad2(codes, np_, kp // 2, 0), _pad2(scales, np_, n_scale_cols, ZERO_BLOCK_SCALE_BYTE),
+            _pad2(x.astype(_BF16), x_rows, kp, 0)[:, columns], np_, kp, n_scale_cols)
+
+
+def _program_scratch(blocks: MosaicBlocks, n_scale_cols: int, x_rows: int, out_shape: tuple, out_dtype) -> list:
+    """``_program``'s shared memory and barriers: code and x tile slots, the scales, the output tile."""
+    bk, stages = blocks.bk, blocks.stages
+    return [
+        plgpu.SMEM((stages, ROWS, bk // 2), jnp.uint8),
+        plgpu.SMEM((ROWS, n_scale_cols), jnp.uint8),
+        plgpu.SMEM((stages, x_rows, bk), _BF16, transforms=_x_tile_transforms()),
+        plgpu.SMEM(out_shape, out_dtype),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=-(-n_scale_cols // _TMA_MAX_BOX), num_barriers=1),
+    ]
 
 
 def rows_padded(m: int) -> int:
@@ -391,26 +417,14 @@ def mx_matmul_mosaic(x: Array, codes: Array, scales: Array, *, blocks: MosaicBlo
     K % bk == 0, K % 512 == 0), pads x to Mp rows and permutes its columns within each bk tile
     (``k_permutation``). ``interpret``: False on the GPU, or ``interpret_params()`` on a CPU.
     """
-    m, k = x.shape
+    m = x.shape[0]
     n = codes.shape[0]
-    bk, stages = blocks.bk, blocks.stages
-    mp, np_, kp = rows_padded(m), _round_up(n, ROWS), _round_up(k, bk)
+    mp = rows_padded(m)
     if mp > 64:
         raise ValueError(f"mx_matmul_mosaic takes at most 64 rows of x, got {m}")
-    n_scale_cols = _round_up(kp // BLOCK, _SCALE_COLUMN_ALIGN)
-    codes = _pad2(codes, np_, kp // 2, 0)
-    scales = _pad2(scales, np_, n_scale_cols, ZERO_BLOCK_SCALE_BYTE)
-    columns = (np.arange(kp) // bk) * bk + np.tile(k_permutation(bk), kp // bk)
-    x_in = _pad2(x.astype(_BF16), mp, kp, 0)[:, columns]
-    scratch = [
-        plgpu.SMEM((stages, ROWS, bk // 2), jnp.uint8),
-        plgpu.SMEM((ROWS, n_scale_cols), jnp.uint8),
-        plgpu.SMEM((stages, mp, bk), _BF16, transforms=_x_tile_transforms()),
-        plgpu.SMEM((mp, ROWS) if blocks.out_mn else (ROWS, mp), out_dtype),
-        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=-(-n_scale_cols // _TMA_MAX_BOX), num_barriers=1),
-    ]
-    kernel = functools.partial(_kernel, n_steps=kp // bk, m=m, blocks=blocks, interpret=bool(interpret))
+    codes, scales, x_in, np_, kp, n_scale_cols = _program_operands(x, codes, scales, mp, blocks.bk)
+    scratch = _program_scratch(blocks, n_scale_cols, mp, (mp, ROWS) if blocks.out_mn else (ROWS, mp), out_dtype)
+    kernel = functools.partial(_kernel, n_steps=kp // blocks.bk, m=m, blocks=blocks, interpret=bool(interpret))
     out = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((m, np_) if blocks.out_mn else (np_, mp), out_dtype),

@@ -24,24 +24,20 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from k3jax.mx import BLOCK, ZERO_BLOCK_SCALE_BYTE
+from k3jax.mx import BLOCK
 from k3jax.typing import Array
 from pallas_kernels.mx_matmul.mosaic_gpu import (
-    _SCALE_COLUMN_ALIGN,
     _TMA_MAX_BOX,
     ROWS,
     MosaicBlocks,
-    _pad2,
     _program,
+    _program_operands,
+    _program_scratch,
     _round_up,
-    _x_tile_transforms,
-    k_permutation,
 )
-from pallas_kernels.mx_matmul.ops import _pad_axis
 
 _GROUPS_PER_COPY = 32  # tile groups (int32) per copy: 128 bytes, a multiple of the warpgroup size as Mosaic GPU asks
 DEFAULT_BM = 128  # x rows per tile (wgmma's N); untuned
@@ -103,29 +99,16 @@ def grouped_mx_matmul_mosaic(x: Array, codes: Array, scales: Array, group_sizes:
                          f"{scales.shape} and group_sizes [G] = {group_sizes.shape} disagree")
     if bm % 8 or not 8 <= bm <= _TMA_MAX_BOX:
         raise ValueError(f"bm = {bm}: x rows per tile must be a multiple of 8 from 8 to {_TMA_MAX_BOX}")
-    bk, stages = blocks.bk, blocks.stages
-    np_, kp = _round_up(n, ROWS), _round_up(k, bk)
-    n_scale_cols = _round_up(kp // BLOCK, _SCALE_COLUMN_ALIGN)
-    codes = _pad_axis(_pad_axis(codes, 1, np_, 0), 2, kp // 2, 0).reshape(n_groups * np_, kp // 2)
-    scales = _pad_axis(_pad_axis(scales, 1, np_, ZERO_BLOCK_SCALE_BYTE), 2, n_scale_cols, ZERO_BLOCK_SCALE_BYTE)
-    scales = scales.reshape(n_groups * np_, n_scale_cols)
+    codes, scales, x_perm, np_, kp, n_scale_cols = _program_operands(x, codes, scales, m, blocks.bk)
+    codes, scales = codes.reshape(n_groups * np_, kp // 2), scales.reshape(n_groups * np_, n_scale_cols)
     dest, tile_groups = tiled_rows(group_sizes, m, bm)
     n_tiles = -(-m // bm) + n_groups
-    columns = (np.arange(kp) // bk) * bk + np.tile(k_permutation(bk), kp // bk)
-    x_perm = _pad2(x.astype(jnp.bfloat16), m, kp, 0)[:, columns]
     x_tiled = jnp.zeros((n_tiles * bm, kp), jnp.bfloat16).at[dest].set(x_perm, mode="drop")
-    scratch = [
-        plgpu.SMEM((_GROUPS_PER_COPY,), jnp.int32),
-        plgpu.SMEM((stages, ROWS, bk // 2), jnp.uint8),
-        plgpu.SMEM((ROWS, n_scale_cols), jnp.uint8),
-        plgpu.SMEM((stages, bm, bk), jnp.bfloat16, transforms=_x_tile_transforms()),
-        plgpu.SMEM((bm, ROWS), out_dtype),
-        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=-(-n_scale_cols // _TMA_MAX_BOX), num_barriers=1),
-        plgpu.Barrier(num_arrivals=1, num_barriers=1),
-    ]
-    kernel = functools.partial(_kernel, n_rows=np_, n_groups=n_groups, n_steps=kp // bk, bm=bm, blocks=blocks,
-                               interpret=bool(interpret))
+    scratch = [plgpu.SMEM((_GROUPS_PER_COPY,), jnp.int32),
+               *_program_scratch(blocks, n_scale_cols, bm, (bm, ROWS), out_dtype),
+               plgpu.Barrier(num_arrivals=1, num_barriers=1)]
+    kernel = functools.partial(_kernel, n_rows=np_, n_groups=n_groups, n_steps=kp // blocks.bk, bm=bm,
+                               blocks=blocks, interpret=bool(interpret))
     out = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((n_tiles * bm, np_), out_dtype),
