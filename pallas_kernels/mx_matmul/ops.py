@@ -157,12 +157,17 @@ def _resolve(x, out_dtype, interpret):
     return jnp.dtype(out_dtype), pallas_interpret() if interpret is None else interpret
 
 
+def _bf16(x: Array | MXTensor) -> Array:
+    """x as bf16: an MXFP8 ``MXTensor`` decoded (exactly), an array rounded."""
+    return x.decode(jnp.bfloat16) if isinstance(x, MXTensor) else x.astype(jnp.bfloat16)
+
+
 def _decode_then_dot(x, w: MXTensor, blocks: MXBlocks, n_pad: int, out_dtype, interpret: bool) -> Array:
     """Decode w once to bf16 [N, K] (even columns, then odd) with the Pallas decode kernel, and
     multiply x with its columns in the same order by XLA's bf16 dot (float32 accumulation)."""
     n, k = w.shape
     w_planar = decode_mxfp4_pallas(*_kernel_weight_layout(w, n_pad), blocks=blocks, interpret=interpret)
-    xv = x.decode(jnp.bfloat16) if isinstance(x, MXTensor) else x.astype(jnp.bfloat16)
+    xv = _bf16(x)
     x_planar = jnp.concatenate([xv[:, 0::2], xv[:, 1::2]], axis=1)
     out = jnp.dot(x_planar, w_planar.reshape(n_pad, k).T, preferred_element_type=jnp.float32)
     return out[:, :n].astype(out_dtype)
@@ -173,7 +178,7 @@ def _mosaic_gpu(x, w: MXTensor, blocks: MXBlocks, out_dtype, interpret: bool) ->
     takes ``out_mn`` (the kernel writes [1, N], measured faster there only)."""
     from pallas_kernels.mx_matmul import mosaic_gpu
 
-    xv = x.decode(jnp.bfloat16) if isinstance(x, MXTensor) else x.astype(jnp.bfloat16)
+    xv = _bf16(x)
     mosaic_blocks = mosaic_gpu.MosaicBlocks(blocks.bk, blocks.num_stages, out_mn=xv.shape[0] == 1)
     return mosaic_gpu.mx_matmul_mosaic(xv, w.codes, w.scales, blocks=mosaic_blocks, out_dtype=out_dtype,
                                        interpret=mosaic_gpu.interpret_params() if interpret else False)
@@ -246,7 +251,7 @@ def _grouped_mosaic_gpu(x, w: MXTensor, group_sizes, blocks: MXBlocks, out_dtype
     bf16 (exact for MXFP8 x)."""
     from pallas_kernels.mx_matmul import mosaic_gpu, mosaic_gpu_grouped
 
-    xv = x.decode(jnp.bfloat16) if isinstance(x, MXTensor) else x.astype(jnp.bfloat16)
+    xv = _bf16(x)
     return mosaic_gpu_grouped.grouped_mx_matmul_mosaic(
         xv, w.codes, w.scales, group_sizes, bm=blocks.bm, blocks=mosaic_gpu.MosaicBlocks(blocks.bk, blocks.num_stages),
         out_dtype=out_dtype, interpret=mosaic_gpu.interpret_params() if interpret else False)
