@@ -37,6 +37,11 @@ _F32 = jnp.float32
 _MIN_DOT = 16  # Triton's smallest dot dimension
 
 
+def _dot_width(n: int) -> bool:
+    """Whether n is a width Triton's dot takes: a power of two >= 16."""
+    return n >= _MIN_DOT and not n & (n - 1)
+
+
 @dataclasses.dataclass(frozen=True)
 class AttentionBlocks:
     """block_q queries per program, block_k keys per loop step (powers of two from 16); Triton's
@@ -51,7 +56,7 @@ class AttentionBlocks:
     def __post_init__(self):
         for name in ("block_q", "block_k"):
             n = getattr(self, name)
-            if n < _MIN_DOT or n & (n - 1):
+            if not _dot_width(n):
                 raise ValueError(f"{name} must be a power of two >= {_MIN_DOT}, got {n}")
 
 
@@ -125,7 +130,7 @@ def _pad(a: Array, axis: int, size: int, mode: str = "constant") -> Array:
 
 def prefill_attention_runs(*widths: int) -> bool:
     """Whether head widths (nope, rope, value) suit the kernel off interpret mode: powers of two >= 16."""
-    return all(w >= _MIN_DOT and not w & (w - 1) for w in widths)
+    return all(map(_dot_width, widths))
 
 
 def prefill_attention(q_nope: Array, q_pe: Array, k_nope: Array, k_pe: Array, v: Array, positions: Array,
