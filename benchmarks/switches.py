@@ -15,13 +15,13 @@ class Switches:
 
     def __init__(self, off: dict[str, tuple[object, str, object]],
                  candidates: dict[str, tuple[object, str, object]] | None = None):
-        self.off = {**off, **(candidates or {})}
-        self.original = {name: getattr(owner, attribute) for name, (owner, attribute, _) in self.off.items()}
-        self.variants = {"default": (), **{name: (name,) for name in self.off}, "all off": tuple(off)}
+        self.settings = {**off, **(candidates or {})}  # name -> (owner, attribute, value its variant sets)
+        self.original = {name: getattr(owner, attribute) for name, (owner, attribute, _) in self.settings.items()}
+        self.variants = {"default": (), **{name: (name,) for name in self.settings}, "all off": tuple(off)}
 
     def use(self, variant: str) -> None:
         """Set the attributes for a variant (its switches set, the others as they were), for the next trace."""
-        for name, (owner, attribute, value) in self.off.items():
+        for name, (owner, attribute, value) in self.settings.items():
             setattr(owner, attribute, value if name in self.variants[variant] else self.original[name])
 
     def arguments(self, doc: str) -> argparse.ArgumentParser:
