@@ -10,10 +10,9 @@ Each switch turns one change off (module attributes read while a prefill chunk i
 - absorbed MLA prefill: ``MLA._flash_kernel`` False (prefill chunks attend in the absorbed XLA form, not
   by ``pallas_kernels.prefill_attention`` over keys expanded from the latents);
 - concatenated short convs: KDA's short convs as one conv over q, k and v side by side, split after
-  (the form before the thirteenth session), not one conv per input.
-A candidate turns a form on that is not the default yet:
-- mosaic grouped MoE: ``k3jax.layers.moe.GROUPED_MX_BLOCKS`` set to the grouped Mosaic GPU kernel's tiles
-  (``pallas_kernels/mx_matmul/mosaic_gpu_grouped.py``) for the sorted dispatch's grouped matmuls.
+  (the form before the thirteenth session), not one conv per input;
+- tiled Mosaic MoE: ``k3jax.layers.moe.TILED_MOE_MIN_PAIRS`` None (the routed experts by the sorted
+  dispatch and the Triton grouped kernel, not ``pallas_kernels.mx_matmul.tiled_moe_mx``).
 Variants: the default, each switch alone, all the changes off. Also prints each variant's last-token
 logits against the default's. Each variant compiles its own 8K prefill (80-110 s each on the H200), so
 within a 10-minute call name one or two variants.
@@ -33,7 +32,6 @@ import k3jax.layers.moe as moe
 from k3jax import Generator, K3Model, preset, use_implementation
 from k3jax.functional.conv import causal_conv
 from k3jax.layers.mla import MLA
-from pallas_kernels.mx_matmul import MXBlocks
 from switches import Switches
 
 
@@ -46,11 +44,9 @@ def _concatenated_short_convs(xs, taps, state, lengths):
 OFF = {  # a change's name -> (owner, attribute, value with the change off)
     "absorbed MLA prefill": (MLA, "_flash_kernel", lambda self: False),
     "concatenated short convs": (kda, "_short_convs_xla", _concatenated_short_convs),
+    "tiled Mosaic MoE": (moe, "TILED_MOE_MIN_PAIRS", None),
 }
-CANDIDATES = {  # a candidate's name -> (owner, attribute, value with it on)
-    "mosaic grouped MoE": (moe, "GROUPED_MX_BLOCKS", MXBlocks(bm=128, bk=128, num_stages=3, mosaic_gpu=True)),
-}
-SWITCHES = Switches(OFF, CANDIDATES)
+SWITCHES = Switches(OFF)
 
 
 def main() -> None:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from k3jax.mx import MXTensor
-from k3jax.functional.moe import moe_dense, situ
+from k3jax.functional.moe import grouped_matmul, moe_dense, moe_sorted, situ
 from pallas_kernels.mx_matmul import (
     MXBlocks,
     fused_moe_mx,
@@ -15,6 +15,7 @@ from pallas_kernels.mx_matmul import (
     grouped_mx_matmul_reference,
     mx_matmul,
     mx_matmul_reference,
+    tiled_moe_mx,
 )
 from pallas_kernels.mx_matmul.kernel import decode_mxfp4_pallas
 from pallas_kernels.mx_matmul.ops import _kernel_weight_layout
@@ -415,3 +416,41 @@ def test_grouped_mosaic_gpu_lowers_for_cuda_and_checks_arguments():
         grouped_mx_matmul_mosaic(x, codes, scales, jnp.array([2, 2]), bm=12)
     with pytest.raises(ValueError, match="disagree"):
         grouped_mx_matmul_mosaic(x, codes, scales[:, :, :1], jnp.array([2, 2]))
+
+
+def test_tiled_moe_matches_references():
+    """The routed experts by the grouped Mosaic GPU kernel in its tiled layout (interpret mode), 8-pair
+    tiles: an expert with no pairs, one picked twice by a token, F = 96 and R = 160 not multiples of 64 and
+    of bk. Against the sorted dispatch with every product rounded to bf16 as the kernel's are (float32
+    products of the decoded weights), and against every expert on every token in float32."""
+    from pallas_kernels.mx_matmul.mosaic_gpu import MosaicBlocks
+
+    E, F, R, k, T = 6, 96, 160, 3, 13
+    keys = jax.random.split(jax.random.key(70), 6)
+    w1, w3 = (MXTensor.quantize(jax.random.normal(kk, (E, F, R)) * R**-0.5) for kk in keys[:2])
+    w2 = MXTensor.quantize(jax.random.normal(keys[2], (E, R, F)) * F**-0.5)
+    x = bf16_normal(keys[3], (T, R)).astype(jnp.bfloat16)
+    experts = jax.random.randint(keys[4], (T, k), 0, E - 1).at[0].set(jnp.array([2, 2, 4]))  # expert 5: none
+    weights = jax.random.uniform(keys[5], (T, k))
+    out = tiled_moe_mx(x, w1, w3, w2, weights, experts, situ, bm=8, blocks=MosaicBlocks(128, 2), interpret=True)
+    decoded = [w.decode(jnp.float32) for w in (w1, w3, w2)]
+    rounded = lambda xs, w, sizes: grouped_matmul(xs.astype(jnp.float32), w, sizes).astype(jnp.bfloat16)
+    assert out.shape == (T, R) and out.dtype == jnp.bfloat16
+    assert rel_err(out, moe_sorted(x, *decoded, weights, experts, situ, matmul=rounded)) < 1e-5
+    assert rel_err(out, moe_dense(x.astype(jnp.float32), *decoded, weights, experts, situ)) < 1e-2
+    with pytest.raises(ValueError, match="bf16"):
+        tiled_moe_mx(x.astype(jnp.float32), w1, w3, w2, weights, experts, situ, interpret=True)
+
+
+def test_tiled_moe_lowers_for_cuda():
+    """The tiled MoE at mini's prefill chunk (2048 tokens, 8 of 64 experts) lowers for CUDA through Mosaic
+    GPU; mismatched stacks raise."""
+    E, F, R, k, T = 64, 768, 1024, 8, 2048
+    w1 = MXTensor(jnp.zeros((E, F, R // 2), jnp.uint8), jnp.zeros((E, F, R // 32), jnp.uint8), "mxfp4")
+    w2 = MXTensor(jnp.zeros((E, R, F // 2), jnp.uint8), jnp.zeros((E, R, F // 32), jnp.uint8), "mxfp4")
+    fn = lambda x, weights, experts: tiled_moe_mx(x, w1, w1, w2, weights, experts, situ)
+    args = [jax.ShapeDtypeStruct((T, R), jnp.bfloat16), jax.ShapeDtypeStruct((T, k), jnp.float32),
+            jax.ShapeDtypeStruct((T, k), jnp.int32)]
+    assert "mosaic_gpu" in jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    with pytest.raises(ValueError, match="disagree"):
+        tiled_moe_mx(jnp.zeros((T, R), jnp.bfloat16), w1, w1, w1, jnp.zeros((T, k)), jnp.zeros((T, k), jnp.int32), situ)

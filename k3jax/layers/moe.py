@@ -13,7 +13,7 @@ from flax import nnx
 
 from k3jax.config import MoEConfig
 from k3jax.functional.moe import Activation, grouped_matmul, moe_dense, moe_sorted, select_experts
-from k3jax.implementation import get_implementation, triton_kernels
+from k3jax.implementation import get_implementation, pallas_interpret, triton_kernels
 from k3jax.layers.basic import Linear, RMSNorm, Rngs, add_rounded, materialize, normal, project
 from k3jax.layers.mlp import DenseMLP
 from k3jax.mx import MXTensor, quantize_compiled
@@ -45,18 +45,18 @@ class Experts(nnx.Module):
         self.w2 = weight((num, width, hidden), hidden)
 
 
-# The Pallas path's grouped MX matmul tiles (``pallas_kernels.mx_matmul.MXBlocks``); None: ``default_blocks``.
-GROUPED_MX_BLOCKS = None
+# From this many (token, expert) pairs the Pallas path on a GPU takes the routed experts through the grouped
+# Mosaic GPU kernel in its tiled layout (``pallas_kernels.mx_matmul.tiled_moe_mx``); None: never.
+TILED_MOE_MIN_PAIRS = 4096
 
 
 def _expert_matmul(x: Array, w: Array | MXTensor, group_sizes: Array) -> Array:
-    """Grouped expert matmul: the MX kernel on the Pallas path (tiles ``GROUPED_MX_BLOCKS``),
-    decode-then-``ragged_dot`` otherwise."""
+    """Grouped expert matmul: the MX kernel on the Pallas path, decode-then-``ragged_dot`` otherwise."""
     if isinstance(w, MXTensor):
         if get_implementation() == "pallas":
             from pallas_kernels.mx_matmul import grouped_mx_matmul
 
-            return grouped_mx_matmul(x, w, group_sizes, blocks=GROUPED_MX_BLOCKS)
+            return grouped_mx_matmul(x, w, group_sizes)
         w = w.decode(x.dtype)
     return grouped_matmul(x, w, group_sizes)
 
@@ -69,6 +69,18 @@ def _fused_decode(w: Array | MXTensor, tokens: int, k: int) -> bool:
     from pallas_kernels.mx_matmul import fused_moe_pays
 
     return fused_moe_pays(tokens * k, k, w.shape[1])
+
+
+def _tiled_moe(w: Array | MXTensor, x: Array, pairs: int) -> bool:
+    """The Pallas path's tiled Mosaic GPU MoE for MXFP4 experts and bf16 x from ``TILED_MOE_MIN_PAIRS`` pairs:
+    on a GPU where the Mosaic GPU kernels run, or in interpret mode on a CPU."""
+    if TILED_MOE_MIN_PAIRS is None or pairs < TILED_MOE_MIN_PAIRS or not isinstance(w, MXTensor):
+        return False
+    if x.dtype != jnp.bfloat16:
+        return False
+    from pallas_kernels.mx_matmul.ops import mosaic_gpu_runs
+
+    return get_implementation() == "pallas" and (mosaic_gpu_runs() or pallas_interpret())
 
 
 def _dense(w: Array | MXTensor, dtype) -> Array:
@@ -179,6 +191,10 @@ class MoE(nnx.Module):
             split = z.shape[0] >= mx_matmul.SPLIT_MIN_TOKENS
             kernels = mx_matmul.fused_moe_mx_split if split else mx_matmul.fused_moe_mx
             return kernels(z, w1, w3, w2, weights, experts, self.act, out_dtype=fused_out)
+        if self.dispatch == "sorted" and _tiled_moe(w1, z, experts.size):
+            from pallas_kernels import mx_matmul
+
+            return mx_matmul.tiled_moe_mx(z, w1, w3, w2, weights, experts, self.act, interpret=pallas_interpret())
         if self.dispatch == "sorted":
             return moe_sorted(z, w1, w3, w2, weights, experts, self.act, matmul=_expert_matmul)
         w1, w3, w2 = (_dense(w, z.dtype) for w in (w1, w3, w2))

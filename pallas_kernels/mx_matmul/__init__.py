@@ -4,6 +4,7 @@ float32 references. See README.md in this folder for the maths, layout and tilin
 from pallas_kernels.mx_matmul.kernel import MXBlocks
 from pallas_kernels.mx_matmul.moe import fused_moe_mx, fused_moe_pays
 from pallas_kernels.mx_matmul.moe_split import SPLIT_MIN_TOKENS, fused_moe_mx_split, routed_moe_mx_split
+from pallas_kernels.mx_matmul.moe_tiled import tiled_moe_mx
 from pallas_kernels.mx_matmul.ops import default_blocks, grouped_mx_matmul, mx_matmul
 from pallas_kernels.mx_matmul.reference import grouped_mx_matmul_reference, mx_matmul_reference
 
@@ -19,4 +20,5 @@ __all__ = [
     "mx_matmul",
     "mx_matmul_reference",
     "routed_moe_mx_split",
+    "tiled_moe_mx",
 ]

@@ -377,16 +377,23 @@ def _pad2(a: Array, rows: int, cols: int, value) -> Array:
     return _pad_axis(_pad_axis(a, a.ndim - 2, rows, value), a.ndim - 1, cols, value)
 
 
-def _program_operands(x: Array, codes: Array, scales: Array, x_rows: int, bk: int):
-    """The programs' operands: codes [..., N, K/2] and scales [..., N, K/32] padded to 64-row tiles, bk
-    steps and 16-byte scale rows, x [M, K] as bf16 [x_rows, Kp] with its columns permuted within each bk
-    tile (``k_permutation``). Returns (codes, scales, x, N padded, Kp, scale columns)."""
-    n, k = codes.shape[-2], x.shape[1]
+def weight_operands(codes: Array, scales: Array, bk: int):
+    """The programs' weight operands: codes [..., N, K/2] and scales [..., N, K/32] padded to 64-row
+    tiles, bk steps and 16-byte scale rows (no copy at N % 64 == 0, K % bk == 0, K % 512 == 0).
+    Returns (codes, scales, N padded, K padded, scale columns)."""
+    n, k = codes.shape[-2], codes.shape[-1] * 2
     np_, kp = _round_up(n, ROWS), _round_up(k, bk)
     n_scale_cols = _round_up(kp // BLOCK, _SCALE_COLUMN_ALIGN)
+    return (_pad2(codes, np_, kp // 2, 0), _pad2(scales, np_, n_scale_cols, ZERO_BLOCK_SCALE_BYTE), np_, kp,
+            n_scale_cols)
+
+
+def x_operand(x: Array, rows: int, bk: int) -> Array:
+    """x [M, K] as the programs' B operand: bf16 [rows, K padded to bk] with its columns permuted within each
+    bk tile (``k_permutation``), so that column p of a tile holds the k that A-operand column p decodes."""
+    kp = _round_up(x.shape[1], bk)
     columns = (np.arange(kp) // bk) * bk + np.tile(k_permutation(bk), kp // bk)
-    return (_pad2(codes, np_, kp // 2, 0), _pad2(scales, np_, n_scale_cols, ZERO_BLOCK_SCALE_BYTE),
-            _pad2(x.astype(_BF16), x_rows, kp, 0)[:, columns], np_, kp, n_scale_cols)
+    return _pad2(x.astype(_BF16), rows, kp, 0)[:, columns]
 
 
 def _program_scratch(blocks: MosaicBlocks, n_scale_cols: int, x_rows: int, out_shape: tuple, out_dtype) -> list:
@@ -422,7 +429,8 @@ def mx_matmul_mosaic(x: Array, codes: Array, scales: Array, *, blocks: MosaicBlo
     mp = rows_padded(m)
     if mp > 64:
         raise ValueError(f"mx_matmul_mosaic takes at most 64 rows of x, got {m}")
-    codes, scales, x_in, np_, kp, n_scale_cols = _program_operands(x, codes, scales, mp, blocks.bk)
+    codes, scales, np_, kp, n_scale_cols = weight_operands(codes, scales, blocks.bk)
+    x_in = x_operand(x, mp, blocks.bk)
     scratch = _program_scratch(blocks, n_scale_cols, mp, (mp, ROWS) if blocks.out_mn else (ROWS, mp), out_dtype)
     kernel = functools.partial(_kernel, n_steps=kp // blocks.bk, m=m, blocks=blocks, interpret=bool(interpret))
     out = plgpu.kernel(

@@ -34,14 +34,17 @@ from pallas_kernels.mx_matmul.mosaic_gpu import (
     ROWS,
     MosaicBlocks,
     _program,
-    _program_operands,
     _program_scratch,
     _round_up,
+    weight_operands,
+    x_operand,
 )
 
 _GROUPS_PER_COPY = 32  # tile groups (int32) per copy: 128 bytes, a multiple of the warpgroup size as Mosaic GPU asks
-DEFAULT_BM = 128  # x rows per tile (wgmma's N); untuned
-DEFAULT_BLOCKS = MosaicBlocks(bk=128, stages=3)  # untuned
+# x rows per tile (wgmma's N) and steps: the fastest kernel of bm 64 / 128 and (bk, stages) (128, 3) / (256, 2)
+# at `mini`'s prefill chunk (benchmarks/RESULTS.md, MX run 13)
+DEFAULT_BM = 64
+DEFAULT_BLOCKS = MosaicBlocks(bk=256, stages=2)
 
 
 def tiled_rows(group_sizes: Array, m: int, bm: int) -> tuple[Array, Array]:
@@ -50,7 +53,7 @@ def tiled_rows(group_sizes: Array, m: int, bm: int) -> tuple[Array, Array]:
     T = ceil(M / bm) + G the tiles' static bound; tiles past the groups' get G)."""
     sizes = group_sizes.astype(jnp.int32)
     n_groups = sizes.shape[0]
-    n_tiles = -(-m // bm) + n_groups
+    n_tiles = tiled_row_count(m, n_groups, bm) // bm
     tiles = (sizes + bm - 1) // bm
     row_ends, tile_ends = jnp.cumsum(sizes), jnp.cumsum(tiles)
     rows = jnp.arange(m, dtype=jnp.int32)
@@ -87,35 +90,62 @@ def grouped_mx_matmul_mosaic(x: Array, codes: Array, scales: Array, group_sizes:
     group_sizes int32 [G] -> out_dtype [M, N]: rows of group g times w[g]^T (float32 accumulation,
     rounded once); rows past sum(group_sizes) are zero.
 
-    bm: x rows per tile, a multiple of 8 up to 256. Pads N to 64 rows, K to bk and the scale columns
-    to 16 bytes, permutes x's columns within each bk tile (``k_permutation``), and scatters x's rows
-    into the tiled layout (``tiled_rows``), gathering the output's back. ``interpret``: False on the
-    GPU, or ``interpret_params()`` on a CPU.
+    bm: x rows per tile, a multiple of 8 up to 256. Scatters x's rows into the tiled layout
+    (``tiled_rows``) and gathers the output's back around ``tiled_mx_matmul``: a caller that builds
+    the layout itself (``moe_tiled``) saves both copies. ``interpret``: False on the GPU, or
+    ``interpret_params()`` on a CPU.
     """
     m, k = x.shape
     n_groups, n, _ = codes.shape
     if group_sizes.shape != (n_groups,) or scales.shape != (n_groups, n, k // BLOCK) or codes.shape[2] * 2 != k:
         raise ValueError(f"x [M, K] = {x.shape}, codes [G, N, K/2] = {codes.shape}, scales [G, N, K/32] = "
                          f"{scales.shape} and group_sizes [G] = {group_sizes.shape} disagree")
+    _check_bm(bm)
+    dest, tile_groups = tiled_rows(group_sizes, m, bm)
+    x_tiled = x_operand(x, m, blocks.bk)
+    x_tiled = jnp.zeros((tiled_row_count(m, n_groups, bm), x_tiled.shape[1]), jnp.bfloat16).at[dest].set(
+        x_tiled, mode="drop")
+    out = tiled_mx_matmul(x_tiled, codes, scales, tile_groups, bm=bm, blocks=blocks, out_dtype=out_dtype,
+                          interpret=interpret)
+    return out.at[dest, :n].get(mode="fill", fill_value=0)
+
+
+def tiled_row_count(m: int, n_groups: int, bm: int) -> int:
+    """Rows of the tiled layout of m rows in n_groups groups: its static bound of ceil(m / bm) + G tiles."""
+    return (-(-m // bm) + n_groups) * bm
+
+
+def _check_bm(bm: int) -> None:
     if bm % 8 or not 8 <= bm <= _TMA_MAX_BOX:
         raise ValueError(f"bm = {bm}: x rows per tile must be a multiple of 8 from 8 to {_TMA_MAX_BOX}")
-    codes, scales, x_perm, np_, kp, n_scale_cols = _program_operands(x, codes, scales, m, blocks.bk)
+
+
+def tiled_mx_matmul(x_tiled: Array, codes: Array, scales: Array, tile_groups: Array, *, bm: int = DEFAULT_BM,
+                    blocks: MosaicBlocks = DEFAULT_BLOCKS, out_dtype=jnp.float32, interpret=False) -> Array:
+    """x_tiled bf16 [T bm, Kp] in the tiled layout (``tiled_rows``) as ``x_operand`` makes it (K padded to
+    bk, columns permuted), MXFP4 codes uint8 [G, N, K/2], scales uint8 [G, N, K/32], tile_groups int32
+    [T rounded up to 32] -> out_dtype [T bm, N padded to 64]: row tile t times w[tile_groups[t]]^T.
+    Tiles of group G are not computed: their output rows are left unwritten."""
+    n_groups = codes.shape[0]
+    rows, kp = x_tiled.shape
+    _check_bm(bm)
+    codes, scales, np_, kp_w, n_scale_cols = weight_operands(codes, scales, blocks.bk)
+    if rows % bm or kp != kp_w or tile_groups.shape[0] < rows // bm:
+        raise ValueError(f"x_tiled [T bm, Kp] = {x_tiled.shape} with bm = {bm}, K padded to bk = {kp_w} and "
+                         f"tile_groups {tile_groups.shape} disagree")
     codes, scales = codes.reshape(n_groups * np_, kp // 2), scales.reshape(n_groups * np_, n_scale_cols)
-    dest, tile_groups = tiled_rows(group_sizes, m, bm)
-    n_tiles = -(-m // bm) + n_groups
-    x_tiled = jnp.zeros((n_tiles * bm, kp), jnp.bfloat16).at[dest].set(x_perm, mode="drop")
     scratch = [plgpu.SMEM((_GROUPS_PER_COPY,), jnp.int32),
                *_program_scratch(blocks, n_scale_cols, bm, (bm, ROWS), out_dtype),
                plgpu.Barrier(num_arrivals=1, num_barriers=1)]
     kernel = functools.partial(_kernel, n_rows=np_, n_groups=n_groups, n_steps=kp // blocks.bk, bm=bm,
                                blocks=blocks, interpret=bool(interpret))
-    out = plgpu.kernel(
+    return plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((n_tiles * bm, np_), out_dtype),
-        scratch_types=scratch, grid=(np_ // ROWS, n_tiles), grid_names=("rows", "tiles"),
+        out_type=jax.ShapeDtypeStruct((rows, np_), out_dtype),
+        scratch_types=scratch, grid=(np_ // ROWS, rows // bm), grid_names=("rows", "tiles"),
         compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=True), interpret=interpret or None,
     )(tile_groups, codes, scales, x_tiled)
-    return out.at[dest, :n].get(mode="fill", fill_value=0)
 
 
-__all__ = ["DEFAULT_BLOCKS", "DEFAULT_BM", "grouped_mx_matmul_mosaic", "tiled_rows"]
+__all__ = ["DEFAULT_BLOCKS", "DEFAULT_BM", "grouped_mx_matmul_mosaic", "tiled_mx_matmul", "tiled_row_count",
+           "tiled_rows"]

@@ -1,0 +1,71 @@
+"""Routed experts for many tokens (prefill) on the grouped Mosaic GPU kernel, in its tiled row layout.
+
+``tiled_moe_mx`` computes what ``k3jax.functional.moe.moe_sorted`` does, but lays the (token, expert)
+pairs out the way ``mosaic_gpu_grouped.tiled_mx_matmul`` reads them: each expert's pairs start at a
+tile boundary (``tiled_rows``), so no product needs a row mask and no copy sorts or scatters x:
+
+1. one gather builds the kernel's x operand straight from x [T, R]: slot s of the tiled layout takes
+   token ``src[s]`` (padding slots take zeros), with the columns already permuted as the kernel's
+   register decode wants (``x_operand``, applied to the T rows before the gather, not the T k after);
+2. gate and up by the grouped kernel, h = act(gate, up) in the same layout, its columns permuted for
+   the down kernel in the same XLA fusion;
+3. down by the grouped kernel, then each token gathers its k output rows from their slots and sums
+   them weighted, in float32, in one fixed order (no scatter-add).
+
+The layout's static bound is ceil(T k / bm) + E tiles; tiles past the experts' are not computed and
+never read. Measured on the H200 at ``mini``'s prefill chunk: benchmarks/RESULTS.md (MX run 13).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from k3jax.mx import MXTensor
+from k3jax.typing import Array
+from pallas_kernels._mosaic_gpu import interpret_params
+from pallas_kernels.mx_matmul.moe import _check_moe_operands
+from pallas_kernels.mx_matmul.mosaic_gpu import MosaicBlocks, x_operand
+from pallas_kernels.mx_matmul.mosaic_gpu_grouped import (
+    DEFAULT_BLOCKS,
+    DEFAULT_BM,
+    tiled_mx_matmul,
+    tiled_row_count,
+    tiled_rows,
+)
+
+
+def tiled_moe_mx(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, weights: Array, experts: Array, act, *,
+                 bm: int = DEFAULT_BM, blocks: MosaicBlocks = DEFAULT_BLOCKS, interpret: bool = False) -> Array:
+    """x bf16 [T, R] (the kernel's B operand is bf16), MXFP4 stacks w1, w3 [E, F, R] and w2 [E, R, F],
+    weights float32 [T, k], experts int32 [T, k], act(gate, up) -> hidden. Returns sum over the k pairs of
+    weight * expert(x), bf16 [T, R]; each expert's matmul outputs rounded to bf16 as ``moe_sorted``'s are.
+    bm: pairs per row tile; ``interpret``: run the kernels in Pallas' Mosaic GPU interpreter (CPU)."""
+    _check_moe_operands(x, w1, w3, w2, weights, experts)
+    if x.dtype != jnp.bfloat16:
+        raise ValueError(f"x must be bf16 (the grouped Mosaic GPU kernel's operand), got {x.dtype}")
+    T, k = experts.shape
+    E, F, R = w1.shape
+    pairs = T * k
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    dest, tile_groups = tiled_rows(jnp.bincount(flat, length=E), pairs, bm)
+    slot = jnp.zeros((pairs,), jnp.int32).at[order].set(dest)  # pair f = t k + j sits at slot[f]
+    rows = tiled_row_count(pairs, E, bm)
+    src = jnp.full((rows,), T, jnp.int32).at[slot].set(jnp.arange(pairs, dtype=jnp.int32) // k)
+    xt = x_operand(x, T, blocks.bk).at[src].get(mode="fill", fill_value=0)
+    params = interpret_params() if interpret else False
+
+    def products(operand, w: MXTensor, n: int) -> Array:
+        out = tiled_mx_matmul(operand, w.codes, w.scales, tile_groups, bm=bm, blocks=blocks, out_dtype=x.dtype,
+                              interpret=params)
+        return out[:, :n]
+
+    h = act(products(xt, w1, F), products(xt, w3, F))
+    y = products(x_operand(h, rows, blocks.bk), w2, R)[slot].reshape(T, k, R)
+    out = jnp.einsum("tj,tjr->tr", weights.astype(jnp.float32), y.astype(jnp.float32),
+                     precision=jax.lax.Precision.HIGHEST)
+    return out.astype(x.dtype)
+
+
+__all__ = ["tiled_moe_mx"]
