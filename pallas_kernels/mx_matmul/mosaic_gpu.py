@@ -392,8 +392,11 @@ def x_operand(x: Array, rows: int, bk: int) -> Array:
     """x [M, K] as the programs' B operand: bf16 [rows, K padded to bk] with its columns permuted within each
     bk tile (``k_permutation``), so that column p of a tile holds the k that A-operand column p decodes."""
     kp = _round_up(x.shape[1], bk)
-    columns = (np.arange(kp) // bk) * bk + np.tile(k_permutation(bk), kp // bk)
-    return _pad2(x.astype(_BF16), rows, kp, 0)[:, columns]
+    x = _pad2(x.astype(_BF16), rows, kp, 0)
+    # k_permutation as a transpose: k's digits (lane column, chunk part a, word, v, 3 - j) reordered to p's
+    # (a, word, j, lane column, v); XLA makes a transpose of it, not an element-by-element gather
+    digits = jnp.flip(x.reshape(rows, kp // bk, 4, bk // 128, 4, 2, 4), axis=-1)
+    return digits.transpose(0, 1, 3, 4, 6, 2, 5).reshape(rows, kp)
 
 
 def _program_scratch(blocks: MosaicBlocks, n_scale_cols: int, x_rows: int, out_shape: tuple, out_dtype) -> list:
