@@ -69,15 +69,11 @@ def test_kda_layer_ragged_rows():
     assert rel_err(pal[3][1], pal[4]) < 5e-3  # row 1's state is the state after its 13 tokens
 
 
-# (3, 1): 6 (token, expert) pairs, the fused decode MoE's two kernels; (5, 7): 70, sorted, or with tiled
-# the grouped Mosaic GPU kernel in its tiled layout (``tiled_moe_mx``); (1, 1): one row, the two kernels with
-# one output row per down program, the input maps (norm, router, latent, shared gate and up) in one matvec
+# (3, 1): 6 (token, expert) pairs, the fused decode MoE's two kernels; (5, 7): 70, sorted; (1, 1): one
+# row, the two kernels with one output row per down program, the input maps (norm, router, latent, shared gate and up) in one matvec
 # kernel, and the latent norm and up projection in another
-@pytest.mark.parametrize("tokens,tiled", [((3, 1), False), ((5, 7), False), ((5, 7), True), ((1, 1), False)])
-def test_moe_layer_with_packed_experts(tokens, tiled, monkeypatch):
-    import k3jax.layers.moe as moe_layer
-
-    monkeypatch.setattr(moe_layer, "TILED_MOE_MIN_PAIRS", 1 if tiled else None)
+@pytest.mark.parametrize("tokens", [(3, 1), (5, 7), (1, 1)])
+def test_moe_layer_with_packed_experts(tokens):
     cfg = preset("tiny")
     layer = MoE(cfg.hidden_size, cfg.moe, activation("situ"), cfg.rms_norm_eps, rngs=nnx.Rngs(3), packed_experts=True)
     norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -91,6 +87,27 @@ def test_moe_layer_with_packed_experts(tokens, tiled, monkeypatch):
 
     ref, pal = both(run, params, x)
     assert rel_err(pal, ref) < 5e-3
+
+
+def test_moe_layer_tiled_for_prefill(monkeypatch):
+    """With the candidate's threshold on (lowered to 1 pair per expert) a bf16 layer takes its routed experts
+    through ``tiled_moe_mx`` (the grouped Mosaic GPU kernel, interpret mode) and matches the reference path
+    within bf16 rounding."""
+    import k3jax.layers.moe as moe_layer
+    from pallas_kernels import mx_matmul
+
+    calls = []
+    tiled = mx_matmul.tiled_moe_mx
+    monkeypatch.setattr(moe_layer, "TILED_MOE_MIN_PAIRS_PER_EXPERT", 1)
+    monkeypatch.setattr(mx_matmul, "tiled_moe_mx", lambda *a, **kw: calls.append(1) or tiled(*a, **kw))
+    cfg = preset("tiny")
+    layer = MoE(cfg.hidden_size, cfg.moe, activation("situ"), cfg.rms_norm_eps, rngs=nnx.Rngs(3), packed_experts=True,
+                param_dtype=jnp.bfloat16)
+    graph, params = nnx.split(layer)
+    x = jax.random.normal(jax.random.key(4), (2, 24, cfg.hidden_size)).astype(jnp.bfloat16)
+    ref, pal = both(lambda params, x: nnx.merge(graph, params)(x), params, x)
+    assert calls and pal.dtype == jnp.bfloat16
+    assert rel_err(pal, ref) < 1e-2
 
 
 def test_mla_layer_decode_one_row():

@@ -45,9 +45,13 @@ class Experts(nnx.Module):
         self.w2 = weight((num, width, hidden), hidden)
 
 
-# From this many (token, expert) pairs the Pallas path on a GPU takes the routed experts through the grouped
-# Mosaic GPU kernel in its tiled layout (``pallas_kernels.mx_matmul.tiled_moe_mx``); None: never.
-TILED_MOE_MIN_PAIRS = 4096
+# From this many (token, expert) pairs per routed expert on average, the Pallas path on a GPU takes the routed
+# experts through the grouped Mosaic GPU kernel in its tiled layout (``pallas_kernels.mx_matmul.tiled_moe_mx``);
+# None: never (the default). The candidate is 256, `mini`'s 2048-token prefill chunk: there the MoE alone measured
+# 20% faster than the sorted dispatch, but the whole 8K prefill 2% slower in two A/Bs with earlier, slower forms
+# of the layout's glue (benchmarks/RESULTS.md, MX run 13); the candidate "tiled Mosaic MoE" of
+# benchmarks/prefill_variants.py makes the A/B that decides. Sparser dispatch pads more of each expert's last tile.
+TILED_MOE_MIN_PAIRS_PER_EXPERT = None
 
 
 def _expert_matmul(x: Array, w: Array | MXTensor, group_sizes: Array) -> Array:
@@ -72,11 +76,10 @@ def _fused_decode(w: Array | MXTensor, tokens: int, k: int) -> bool:
 
 
 def _tiled_moe(w: Array | MXTensor, x: Array, pairs: int) -> bool:
-    """The Pallas path's tiled Mosaic GPU MoE for MXFP4 experts and bf16 x from ``TILED_MOE_MIN_PAIRS`` pairs:
-    on a GPU where the Mosaic GPU kernels run, or in interpret mode on a CPU."""
-    if TILED_MOE_MIN_PAIRS is None or pairs < TILED_MOE_MIN_PAIRS or not isinstance(w, MXTensor):
-        return False
-    if x.dtype != jnp.bfloat16:
+    """The Pallas path's tiled Mosaic GPU MoE for MXFP4 experts and bf16 x from ``TILED_MOE_MIN_PAIRS_PER_EXPERT``
+    pairs per expert: on a GPU where the Mosaic GPU kernels run, or in interpret mode on a CPU."""
+    minimum = TILED_MOE_MIN_PAIRS_PER_EXPERT
+    if minimum is None or not isinstance(w, MXTensor) or x.dtype != jnp.bfloat16 or pairs < minimum * w.shape[0]:
         return False
     from pallas_kernels.mx_matmul.ops import mosaic_gpu_runs
 
