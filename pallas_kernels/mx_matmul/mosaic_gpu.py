@@ -19,7 +19,7 @@ the elements exactly where that factor is a finite bf16 (scale byte <= 128), els
 then by the scale); the choice is made once per step for a whole warp (a vote), so the branch is
 uniform. That register is column pair t of the A operand, so contracted index k =
 ``k_permutation(bk)[p]`` sits at column p; x's columns are permuted the same way outside the kernel
-(a gather over [M, K]), and the sum over k does not care about the order. ptxas makes 17
+(``x_operand``: a transpose over [M, K]), and the sum over k does not care about the order. ptxas makes 17
 instructions of a word (8 elements); the whole step about 3.0 per weight element (H200, README).
 
 Scales: the program's [64, K/32] scale bytes are loaded once (one TMA) and read per step. A slot is
