@@ -25,6 +25,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from k3jax.implementation import pallas_interpret
 from k3jax.typing import Array
+from pallas_kernels._triton import triton_params
 
 _F32 = jnp.float32
 
@@ -64,7 +65,7 @@ def _mix_norm_kernel(partial_ref, blocks_ref, count_ref, site_norm_ref, site_pro
 def _mix_norm(partial, blocks, count, site_norm, site_proj, norm_weight, *, mix_eps, eps, interpret):
     m_rows, depth = partial.shape
     warps = min(16, max(4, (blocks.shape[0] + 1) * pl.next_power_of_2(depth) // 4096))
-    params = None if interpret else pltriton.CompilerParams(num_warps=warps, num_stages=1)
+    params = triton_params(warps, 1, interpret)
     return pl.pallas_call(
         functools.partial(_mix_norm_kernel, mix_eps=mix_eps, eps=eps),
         out_shape=jax.ShapeDtypeStruct(partial.shape, partial.dtype),

@@ -24,6 +24,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from k3jax.implementation import pallas_interpret
 from k3jax.typing import Array
+from pallas_kernels._triton import triton_params
 
 _F32 = jnp.float32
 
@@ -57,7 +58,7 @@ def _write_latents(c, norm_weight, positions, c_kv, k_pe, *, eps: float, interpr
         out_shape=(jax.ShapeDtypeStruct(c_kv.shape, c_kv.dtype), jax.ShapeDtypeStruct(k_pe.shape, k_pe.dtype)),
         grid=(c.shape[0],),
         input_output_aliases={3: 0, 4: 1},
-        compiler_params=None if interpret else pltriton.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=triton_params(4, 1, interpret),
         interpret=interpret,
         name="write_latents",
     )(c, norm_weight.reshape(1, -1), positions, c_kv, k_pe)

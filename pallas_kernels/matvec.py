@@ -59,6 +59,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from k3jax.implementation import pallas_interpret
 from k3jax.typing import Array
+from pallas_kernels._triton import triton_params
 
 MAX_ROWS = 16
 DOT_ROWS = 16  # x's rows as the matrix units' operand (MAX_ROWS padded; Triton's dot needs >= 16)
@@ -274,8 +275,7 @@ def _matvecs(x, second, norm_weight, weights, adds, *, out_dtypes, prologue: Pro
     min_bn = DOT_ROWS if blocks.dot else 1
     parts = _parts([w.shape[0] for w in weights], blocks.bn, min_bn)
     bk = max(min(blocks.bk, pl.next_power_of_2(depth)), min_bn)
-    params = None if interpret else pltriton.CompilerParams(num_warps=blocks.num_warps,
-                                                             num_stages=blocks.num_stages)
+    params = triton_params(blocks.num_warps, blocks.num_stages, interpret)
     inputs = [a for a in (second, None if norm_weight is None else norm_weight.reshape(1, -1)) if a is not None]
     return pl.pallas_call(
         functools.partial(_matvecs_kernel, parts=parts, n_adds=tuple(len(a) for a in adds), bk=bk, dot=blocks.dot,

@@ -32,6 +32,7 @@ from jax.experimental import pallas as pl
 
 from k3jax.implementation import pallas_interpret
 from k3jax.typing import Array
+from pallas_kernels._triton import triton_params
 
 _F32 = jnp.float32
 _MIN_DOT = 16  # Triton's smallest dot dimension
@@ -104,11 +105,7 @@ def _prefill_attention(q_nope, q_pe, k_nope, k_pe, v, positions, *, scale: float
     # heads vary fastest and query blocks run last first: the first programs to start are the longest
     query = lambda d: pl.BlockSpec((None, bq, None, d), lambda h, b, i: (b, blocks_q - 1 - i, h, 0))
     key = lambda d: pl.BlockSpec((None, Sp, None, d), lambda h, b, i: (b, 0, h, 0))
-    compiler_params = None
-    if not interpret:
-        from jax.experimental.pallas import triton as pltriton
-
-        compiler_params = pltriton.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+    compiler_params = triton_params(blocks.num_warps, blocks.num_stages, interpret)
     return pl.pallas_call(
         functools.partial(_kernel, scale=scale, keys=keys, block_k=blocks.block_k),
         out_shape=jax.ShapeDtypeStruct((B, Tp, H, V), _F32),

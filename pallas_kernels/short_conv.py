@@ -26,6 +26,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from k3jax.implementation import pallas_interpret
 from k3jax.typing import Array
+from pallas_kernels._triton import triton_params
 
 _F32 = jnp.float32
 BLOCK_CHANNELS = 256  # channels per program (at most; a power of two dividing F)
@@ -69,7 +70,7 @@ def _conv_silu_step(xs, taps, state, *, interpret: bool):
         out_shape=out_shape,
         grid=(B, n * (width // block)),
         input_output_aliases={2 * n: n},
-        compiler_params=None if interpret else pltriton.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=triton_params(4, 1, interpret),
         interpret=interpret,
         name="conv_silu_step",
     )(*xs, *taps, state)

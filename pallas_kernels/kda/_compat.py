@@ -67,13 +67,4 @@ def interpret() -> bool:
     return pallas_interpret()
 
 
-def compiler_params(num_warps: int, num_stages: int):
-    """Triton compiler parameters on a GPU, None elsewhere (interpret mode, TPU)."""
-    if jax.default_backend() != "gpu":
-        return None
-    from jax.experimental.pallas import triton as pltriton
-
-    return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-
-
-__all__ = ["LOWERINGS", "check_lowering", "resolve_lowering", "interpret", "compiler_params"]
+__all__ = ["LOWERINGS", "check_lowering", "resolve_lowering", "interpret"]

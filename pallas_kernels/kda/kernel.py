@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda._compat import check_lowering, compiler_params, interpret
+from pallas_kernels._triton import triton_params
+from pallas_kernels.kda._compat import check_lowering, interpret
 
 TILE = 16
 _HI = jax.lax.Precision.HIGHEST
@@ -222,7 +223,7 @@ def intra_chunk(q, k, v, g, beta, gate_params, *, seq_len, scale, blocks, lower_
                                fused=fused, lower_bound=lower_bound)
     return pl.pallas_call(
         kernel, grid=(B, H, T // C), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        compiler_params=compiler_params(blocks.warps_intra, 1), interpret=interpret(),
+        compiler_params=triton_params(blocks.warps_intra, 1, interpret()), interpret=interpret(),
         name="kda_intra_chunk",
     )(*args)
 
@@ -271,7 +272,7 @@ def state_walk(w, u, qg, kg, aqk, gend, initial_state, *, blocks):
     return pl.pallas_call(
         kernel, grid=(B, H, V // bv), in_specs=in_specs, out_specs=[seq_v, state_spec],
         out_shape=[jax.ShapeDtypeStruct((B, T, H, V), _F32), jax.ShapeDtypeStruct((B, H, K, V), _F32)],
-        compiler_params=compiler_params(blocks.warps_walk, blocks.stages_walk), interpret=interpret(),
+        compiler_params=triton_params(blocks.warps_walk, blocks.stages_walk, interpret()), interpret=interpret(),
         name="kda_state_walk",
     )(*args)
 
@@ -330,7 +331,7 @@ def decode_step(q, k, v, g, beta, state, gate=None, *, scale, blocks, lower_boun
     return pl.pallas_call(
         kernel, grid=(B, H, V // bv), in_specs=in_specs + [s_spec], out_specs=[v_spec, s_spec],
         out_shape=[jax.ShapeDtypeStruct((B, H, V), _F32), jax.ShapeDtypeStruct((B, H, K, V), _F32)],
-        input_output_aliases={len(args): 1}, compiler_params=compiler_params(blocks.warps_decode, 1),
+        input_output_aliases={len(args): 1}, compiler_params=triton_params(blocks.warps_decode, 1, interpret()),
         interpret=interpret(),
         name="kda_decode_step",
     )(*args, state.astype(_F32))

@@ -36,7 +36,7 @@ own rows with a masked store. ``decode_mxfp4_pallas`` only decodes, into a bf16 
 (even plane, odd plane per row), for the large-M path of ``ops.py`` that hands the product to XLA.
 
 On GPU the kernels lower through Pallas' Triton backend, selected by passing Triton compiler
-params (``_gpu_compiler_params``, the one version-specific spot); on CPU they run in interpret mode.
+params (``pallas_kernels._triton.triton_params``, the one version-specific spot); on CPU they run in interpret mode.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from jax.experimental import pallas as pl
 
 from k3jax.mx import BLOCK, e8m0_to_float
 from k3jax.typing import Array
+from pallas_kernels._triton import triton_params
 
 COMPUTE_DTYPE = jnp.bfloat16
 SCALE_BLOCK_BYTES = BLOCK // 2  # packed code bytes per E8M0 scale
@@ -94,15 +95,6 @@ class MXBlocks:
                 f"gemv needs bm == 1 and neither weights_lhs nor decode_then_dot, got bm={self.bm}, "
                 f"weights_lhs={self.weights_lhs}, decode_then_dot={self.decode_then_dot}"
             )
-
-
-def _gpu_compiler_params(blocks: MXBlocks, interpret: bool):
-    """Version shim: Triton compiler params select Pallas' Triton lowering on JAX 0.10 and 0.11."""
-    if interpret:
-        return None
-    from jax.experimental.pallas import triton as pltriton
-
-    return pltriton.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
 
 
 def _fp4_plane(shifted: Array) -> Array:
@@ -361,7 +353,7 @@ def mx_matmul_pallas(
         grid=(m // bm, n // bn),
         in_specs=in_specs,
         out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
-        compiler_params=_gpu_compiler_params(blocks, interpret),
+        compiler_params=triton_params(blocks.num_warps, blocks.num_stages, interpret),
         interpret=interpret,
         name="mx_matmul_w4a8" if w4a8 else "mx_matmul",
     )(*operands)
@@ -425,7 +417,7 @@ def grouped_mx_matmul_pallas(
         kernel,
         out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
         grid=(n // blocks.bn, items.shape[1]),
-        compiler_params=_gpu_compiler_params(blocks, interpret),
+        compiler_params=triton_params(blocks.num_warps, blocks.num_stages, interpret),
         interpret=interpret,
         name="grouped_mx_matmul_w4a8" if w4a8 else "grouped_mx_matmul",
     )(*operands)
@@ -451,7 +443,7 @@ def decode_mxfp4_pallas(codes: Array, scales: Array, *, blocks: MXBlocks, interp
         grid=(n // bn, n_blocks // g),
         in_specs=[spec(SCALE_BLOCK_BYTES), spec(1)],
         out_specs=pl.BlockSpec((bn, 2, g * SCALE_BLOCK_BYTES), lambda i, j: (i, 0, j)),
-        compiler_params=_gpu_compiler_params(blocks, interpret),
+        compiler_params=triton_params(blocks.num_warps, blocks.num_stages, interpret),
         interpret=interpret,
         name="mxfp4_decode",
     )(codes, scales)

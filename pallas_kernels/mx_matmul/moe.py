@@ -34,7 +34,8 @@ from jax.experimental.pallas import triton as pltriton
 from k3jax.implementation import pallas_interpret
 from k3jax.mx import BLOCK, MXTensor
 from k3jax.typing import Array
-from pallas_kernels.mx_matmul.kernel import SCALE_BLOCK_BYTES, MXBlocks, _gpu_compiler_params, decode_weight_planes
+from pallas_kernels._triton import triton_params
+from pallas_kernels.mx_matmul.kernel import SCALE_BLOCK_BYTES, MXBlocks, decode_weight_planes
 from pallas_kernels.mx_matmul.ops import _largest_pow2_divisor
 
 
@@ -113,7 +114,7 @@ def _fused_moe_mx(x, w1, w3, w2, weights, experts, *, act, blocks, bf, br, out_d
         out_shape=jax.ShapeDtypeStruct((T, R), jnp.float32),
         grid=(T * k, F // bf),
         input_output_aliases={9: 0},
-        compiler_params=_gpu_compiler_params(blocks, interpret),
+        compiler_params=triton_params(blocks.num_warps, blocks.num_stages, interpret),
         interpret=interpret,
         name="fused_moe_mx",
     )(experts.reshape(-1).astype(jnp.int32), weights.reshape(-1).astype(jnp.float32), xb,

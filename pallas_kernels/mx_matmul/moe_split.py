@@ -39,7 +39,8 @@ from jax.experimental import pallas as pl
 from k3jax.implementation import pallas_interpret
 from k3jax.mx import BLOCK, MXTensor
 from k3jax.typing import Array
-from pallas_kernels.mx_matmul.kernel import MXBlocks, _gpu_compiler_params, decode_weight_planes
+from pallas_kernels._triton import triton_params
+from pallas_kernels.mx_matmul.kernel import MXBlocks, decode_weight_planes
 from pallas_kernels.mx_matmul.moe import _check_moe_operands, _stack_views
 from pallas_kernels.mx_matmul.ops import _largest_pow2_divisor
 from pallas_kernels.route import check_router_inputs, padded_router_inputs, pick_by_rank
@@ -130,7 +131,7 @@ def _hidden_call(kernel, T: int, k: int, F: int, blocks: MXBlocks, outputs: tupl
         kernel,
         out_shape=(jax.ShapeDtypeStruct((T * k, F), jnp.float32), *outputs),
         grid=(T * k, F // blocks.bn),
-        compiler_params=_gpu_compiler_params(blocks, interpret),
+        compiler_params=triton_params(blocks.num_warps, blocks.num_stages, interpret),
         interpret=interpret,
         name="fused_moe_hidden",
     )
@@ -143,7 +144,7 @@ def _down_call(experts, weights, h, w2: MXTensor, T: int, R: int, down_blocks: M
                           method=method, interpret=interpret),
         out_shape=jax.ShapeDtypeStruct((T, R), out_dtype),
         grid=(T, R // down_blocks.bn),
-        compiler_params=_gpu_compiler_params(down_blocks, interpret),
+        compiler_params=triton_params(down_blocks.num_warps, down_blocks.num_stages, interpret),
         interpret=interpret,
         name="fused_moe_down",
     )(experts, weights, h, *_stack_views(w2, False))
