@@ -4,8 +4,8 @@
 pairs out the way ``mosaic_gpu_grouped.tiled_mx_matmul`` reads them: each expert's pairs start at a
 tile boundary (``tiled_rows``), so no product needs a row mask and no copy sorts or scatters x:
 
-1. one row gather builds the kernel's x operand from x [T, R]: slot s of the tiled layout takes token
-   ``src[s]`` (padding slots a zero row), with the columns already permuted as the kernel's register
+1. one row gather builds the kernel's x operand from x [T, R] (``tiled_operand``): each pair's slot takes
+   its token's row (padding slots a zero row), with the columns already permuted as the kernel's register
    decode wants (``x_operand``, applied to the T rows before the gather, not the T k after);
 2. gate and up by the grouped kernel, h = act(gate, up) in the same layout, its columns permuted for
    the down kernel in the same XLA fusion;
@@ -30,6 +30,7 @@ from pallas_kernels.mx_matmul.mosaic_gpu_grouped import (
     DEFAULT_BLOCKS,
     DEFAULT_BM,
     tiled_mx_matmul,
+    tiled_operand,
     tiled_row_count,
     tiled_rows,
 )
@@ -52,11 +53,7 @@ def tiled_moe_mx(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, weights: Ar
     dest, tile_groups = tiled_rows(jnp.bincount(flat, length=E), pairs, bm)
     slot = jnp.zeros((pairs,), jnp.int32).at[order].set(dest)  # pair f = t k + j sits at slot[f]
     rows = tiled_row_count(pairs, E, bm)
-    src = jnp.full((rows,), T, jnp.int32).at[slot].set(jnp.arange(pairs, dtype=jnp.int32) // k)
-    # x's columns permuted on its T rows, with a zero row T for the padding slots, then whole rows gathered (the
-    # barrier keeps XLA from fusing the two into an element-by-element gather over the T k rows)
-    xp = jax.lax.optimization_barrier(x_operand(x, T + 1, blocks.bk))
-    xt = xp[src]
+    xt = tiled_operand(x, slot, jnp.arange(pairs, dtype=jnp.int32) // k, rows, blocks.bk)
     params = interpret_params() if interpret else False
 
     def products(operand, w: MXTensor, n: int) -> Array:

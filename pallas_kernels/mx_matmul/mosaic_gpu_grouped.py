@@ -91,9 +91,9 @@ def grouped_mx_matmul_mosaic(x: Array, codes: Array, scales: Array, group_sizes:
     group_sizes int32 [G] -> out_dtype [M, N]: rows of group g times w[g]^T (float32 accumulation,
     rounded once); rows past sum(group_sizes) are zero.
 
-    bm: x rows per tile, a multiple of 8 up to 256. Scatters x's rows into the tiled layout
-    (``tiled_rows``) and gathers the output's back around ``tiled_mx_matmul``: a caller that builds
-    the layout itself (``moe_tiled``) saves both copies. ``interpret``: False on the GPU, or
+    bm: x rows per tile, a multiple of 8 up to 256. Gathers x's rows into the tiled layout
+    (``tiled_rows``, ``tiled_operand``) and the output's back around ``tiled_mx_matmul``: a caller that
+    builds the layout from its own rows (``moe_tiled``) saves a copy of x's sorted rows. ``interpret``: False on the GPU, or
     ``interpret_params()`` on a CPU.
     """
     m, k = x.shape
@@ -103,12 +103,21 @@ def grouped_mx_matmul_mosaic(x: Array, codes: Array, scales: Array, group_sizes:
                          f"{scales.shape} and group_sizes [G] = {group_sizes.shape} disagree")
     _check_bm(bm)
     dest, tile_groups = tiled_rows(group_sizes, m, bm)
-    x_tiled = x_operand(x, m, blocks.bk)
-    x_tiled = jnp.zeros((tiled_row_count(m, n_groups, bm), x_tiled.shape[1]), jnp.bfloat16).at[dest].set(
-        x_tiled, mode="drop")
+    x_tiled = tiled_operand(x, dest, jnp.arange(m, dtype=jnp.int32), tiled_row_count(m, n_groups, bm), blocks.bk)
     out = tiled_mx_matmul(x_tiled, codes, scales, tile_groups, bm=bm, blocks=blocks, out_dtype=out_dtype,
                           interpret=interpret)
     return out.at[dest, :n].get(mode="fill", fill_value=0)
+
+
+def tiled_operand(x: Array, slots: Array, sources: Array, rows: int, bk: int) -> Array:
+    """The kernel's x operand in the tiled layout, bf16 [rows, K padded to bk]: slot slots[i] holds row
+    sources[i] of x [M, K] (slots past the layout are dropped), every other slot zeros. x's columns are
+    permuted on its M rows (``x_operand``, plus a zero row M), then whole rows gathered: the barrier keeps
+    XLA from fusing the two into an element-by-element gather over the layout's rows (benchmarks/RESULTS.md,
+    MX run 13)."""
+    m = x.shape[0]
+    src = jnp.full((rows,), m, jnp.int32).at[slots].set(sources.astype(jnp.int32), mode="drop")
+    return jax.lax.optimization_barrier(x_operand(x, m + 1, bk))[src]
 
 
 def tiled_row_count(m: int, n_groups: int, bm: int) -> int:
@@ -148,5 +157,5 @@ def tiled_mx_matmul(x_tiled: Array, codes: Array, scales: Array, tile_groups: Ar
     )(tile_groups, codes, scales, x_tiled)
 
 
-__all__ = ["DEFAULT_BLOCKS", "DEFAULT_BM", "grouped_mx_matmul_mosaic", "tiled_mx_matmul", "tiled_row_count",
-           "tiled_rows"]
+__all__ = ["DEFAULT_BLOCKS", "DEFAULT_BM", "grouped_mx_matmul_mosaic", "tiled_mx_matmul", "tiled_operand",
+           "tiled_row_count", "tiled_rows"]
