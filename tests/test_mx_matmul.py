@@ -238,6 +238,19 @@ def test_mosaic_k_permutation_is_a_permutation():
         assert sorted(k_permutation(bk).tolist()) == list(range(bk))
 
 
+@pytest.mark.parametrize("bk,k", [(128, 160), (256, 544)])
+def test_mosaic_x_operand_is_the_k_permutation(bk, k):
+    """``x_operand``'s transpose puts column k_permutation(bk)[p] of each bk tile at p, x padded with zeros."""
+    from pallas_kernels.mx_matmul.mosaic_gpu import k_permutation, x_operand
+
+    x = bf16_normal(jax.random.key(80), (3, k))
+    kp = -(-k // bk) * bk
+    padded = np.zeros((5, kp), np.float32)
+    padded[:3, :k] = np.asarray(x, np.float32)
+    columns = (np.arange(kp) // bk) * bk + np.tile(k_permutation(bk), kp // bk)
+    np.testing.assert_array_equal(np.asarray(x_operand(x, 5, bk), np.float32), padded[:, columns])
+
+
 def test_mosaic_decode_twin_bit_exact():
     """The register decode's jnp twin against XLA's decode, bit for bit: every code byte, every finite
     scale byte (0..254), columns in the k_permutation order."""
