@@ -13,3 +13,8 @@ def interpret_params():
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
     return InterpretGPUParams()
+
+
+def interpret_argument(interpret: bool):
+    """The Mosaic GPU kernels' ``interpret`` argument: ``interpret_params()`` in interpret mode, else False."""
+    return interpret_params() if interpret else False

@@ -25,6 +25,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels._mosaic_gpu import interpret_argument
 from pallas_kernels.kda import mosaic_gpu, mosaic_gpu_decode, reference, tpu
 from pallas_kernels.kda._compat import interpret, resolve_decode_lowering, resolve_lowering
 from pallas_kernels.kda.kernel import KDABlocks, decode_step, intra_chunk, state_walk
@@ -53,7 +54,7 @@ def _forward(q, k, v, g, beta, gate_params, initial_state, scale, lower_bound, b
     elif lowering == "mosaic_gpu":
         padded = _pad_tokens([q, k, v, g, beta], mosaic_gpu.CHUNK)
         o, state = mosaic_gpu.forward(*padded, gate_params, initial_state,
-                                      interpret=mosaic_gpu.interpret_params() if interpret() else False, **kw)
+                                      interpret=interpret_argument(interpret()), **kw)
     else:
         padded = _pad_tokens([q, k, v, g, beta], blocks.chunk)
         inter = intra_chunk(*padded, gate_params, blocks=blocks, **kw)
@@ -82,7 +83,7 @@ def _decode(q, k, v, g, beta, state, gate, *, scale, blocks, lower_bound=0.0):
         return tpu.decode_step(q, k, v, g, beta, state, gate_params, scale=scale, lower_bound=lower_bound,
                                interpret=_tpu_interpret())
     return mosaic_gpu_decode.decode_step(q, k, v, g, beta, state, gate_params, scale=scale, lower_bound=lower_bound,
-                                         interpret=mosaic_gpu.interpret_params() if interpret() else False)
+                                         interpret=interpret_argument(interpret()))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from k3jax.mx import MXTensor
 from k3jax.typing import Array
-from pallas_kernels._mosaic_gpu import interpret_params
+from pallas_kernels._mosaic_gpu import interpret_argument
 from pallas_kernels.mx_matmul.moe import _check_moe_operands
 from pallas_kernels.mx_matmul.mosaic_gpu import MosaicBlocks, x_operand
 from pallas_kernels.mx_matmul.mosaic_gpu_grouped import (
@@ -54,7 +54,7 @@ def tiled_moe_mx(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, weights: Ar
     slot = jnp.zeros((pairs,), jnp.int32).at[order].set(dest)  # pair f = t k + j sits at slot[f]
     rows = tiled_row_count(pairs, E, bm)
     xt = tiled_operand(x, slot, jnp.arange(pairs, dtype=jnp.int32) // k, rows, blocks.bk)
-    params = interpret_params() if interpret else False
+    params = interpret_argument(interpret)
 
     def products(operand, w: MXTensor, n: int) -> Array:
         out = tiled_mx_matmul(operand, w.codes, w.scales, tile_groups, bm=bm, blocks=blocks, out_dtype=x.dtype,

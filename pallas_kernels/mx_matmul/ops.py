@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from k3jax.implementation import jax_at_least, pallas_interpret
 from k3jax.mx import BLOCK, ZERO_BLOCK_SCALE_BYTE, MXTensor
 from k3jax.typing import Array
+from pallas_kernels._mosaic_gpu import interpret_argument
 from pallas_kernels.mx_matmul.kernel import (
     SCALE_BLOCK_BYTES,
     MXBlocks,
@@ -181,7 +182,7 @@ def _mosaic_gpu(x, w: MXTensor, blocks: MXBlocks, out_dtype, interpret: bool) ->
     xv = _bf16(x)
     mosaic_blocks = mosaic_gpu.MosaicBlocks(blocks.bk, blocks.num_stages, out_mn=xv.shape[0] == 1)
     return mosaic_gpu.mx_matmul_mosaic(xv, w.codes, w.scales, blocks=mosaic_blocks, out_dtype=out_dtype,
-                                       interpret=mosaic_gpu.interpret_params() if interpret else False)
+                                       interpret=interpret_argument(interpret))
 
 
 @functools.partial(jax.jit, static_argnames=("blocks", "out_dtype", "interpret"))
@@ -254,7 +255,7 @@ def _grouped_mosaic_gpu(x, w: MXTensor, group_sizes, blocks: MXBlocks, out_dtype
     xv = _bf16(x)
     return mosaic_gpu_grouped.grouped_mx_matmul_mosaic(
         xv, w.codes, w.scales, group_sizes, bm=blocks.bm, blocks=mosaic_gpu.MosaicBlocks(blocks.bk, blocks.num_stages),
-        out_dtype=out_dtype, interpret=mosaic_gpu.interpret_params() if interpret else False)
+        out_dtype=out_dtype, interpret=interpret_argument(interpret))
 
 
 @functools.partial(jax.jit, static_argnames=("blocks", "out_dtype", "interpret"))
