@@ -10,11 +10,10 @@ Each switch turns one change off (module attributes read while a prefill chunk i
 - absorbed MLA prefill: ``MLA._flash_kernel`` False (prefill chunks attend in the absorbed XLA form, not
   by ``pallas_kernels.prefill_attention`` over keys expanded from the latents);
 - concatenated short convs: KDA's short convs as one conv over q, k and v side by side, split after
-  (the form before the thirteenth session), not one conv per input.
-A candidate turns a form on that is not the default yet:
-- tiled Mosaic MoE: ``k3jax.layers.moe.TILED_MOE_MIN_PAIRS_PER_EXPERT`` 256, so that `mini`'s 2048-token chunks
-  take their routed experts through ``pallas_kernels.mx_matmul.tiled_moe_mx`` (the grouped Mosaic GPU kernel in
-  its tiled layout), not the sorted dispatch on the Triton grouped kernel.
+  (the form before the thirteenth session), not one conv per input;
+- sorted MoE dispatch: ``k3jax.layers.moe.TILED_MOE_MIN_PAIRS_PER_EXPERT`` None (the routed experts of
+  `mini`'s 2048-token chunks by the sorted dispatch on the Triton grouped kernel, not by
+  ``pallas_kernels.mx_matmul.tiled_moe_mx``, the grouped Mosaic GPU kernel in its tiled layout).
 Variants: the default, each switch alone, all the changes off. Also prints each variant's last-token
 logits against the default's. Each variant compiles its own 8K prefill (80-110 s each on the H200), so
 within a 10-minute call name one or two variants.
@@ -46,11 +45,9 @@ def _concatenated_short_convs(xs, taps, state, lengths):
 OFF = {  # a change's name -> (owner, attribute, value with the change off)
     "absorbed MLA prefill": (MLA, "_flash_kernel", lambda self: False),
     "concatenated short convs": (kda, "_short_convs_xla", _concatenated_short_convs),
+    "sorted MoE dispatch": (moe, "TILED_MOE_MIN_PAIRS_PER_EXPERT", None),
 }
-CANDIDATES = {  # a candidate's name -> (owner, attribute, value with it on)
-    "tiled Mosaic MoE": (moe, "TILED_MOE_MIN_PAIRS_PER_EXPERT", 256),
-}
-SWITCHES = Switches(OFF, CANDIDATES)
+SWITCHES = Switches(OFF)
 
 
 def main() -> None:

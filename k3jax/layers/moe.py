@@ -47,11 +47,10 @@ class Experts(nnx.Module):
 
 # From this many (token, expert) pairs per routed expert on average, the Pallas path on a GPU takes the routed
 # experts through the grouped Mosaic GPU kernel in its tiled layout (``pallas_kernels.mx_matmul.tiled_moe_mx``);
-# None: never (the default). The candidate is 256, `mini`'s 2048-token prefill chunk: there the MoE alone measured
-# 20% faster than the sorted dispatch, but the whole 8K prefill 2% slower in two A/Bs with earlier, slower forms
-# of the layout's glue (benchmarks/RESULTS.md, MX run 13); the candidate "tiled Mosaic MoE" of
-# benchmarks/prefill_variants.py makes the A/B that decides. Sparser dispatch pads more of each expert's last tile.
-TILED_MOE_MIN_PAIRS_PER_EXPERT = None
+# None: never. 256 is `mini`'s 2048-token prefill chunk (8 of 64 experts): there the MoE alone measured 20% faster
+# than the sorted dispatch, and the whole 8K prefill 60.9 against 66.6 ms (benchmarks/RESULTS.md, issue 4, sixteenth
+# session). Sparser dispatch pads more of each expert's last tile and was not measured.
+TILED_MOE_MIN_PAIRS_PER_EXPERT = 256
 
 
 def _expert_matmul(x: Array, w: Array | MXTensor, group_sizes: Array) -> Array:
