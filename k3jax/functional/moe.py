@@ -20,6 +20,22 @@ _GROUPED = jax.lax.RaggedDotDimensionNumbers(
 )
 
 
+# Sort keys of the (token, expert) pairs: the expert index as the narrowest unsigned type that holds it
+# (uint8 up to 256 experts, uint16 up to 65536) instead of int32. The stable order is the same; on Hopper XLA
+# sorts 8- and 16-bit keys by CUB's radix sort, but int32 keys under about 22000 elements by its own sort (its
+# SortRewriter heuristic), which took 49 us for a `mini` prefill chunk's 16384 pairs (benchmarks/RESULTS.md, MX
+# run 13). A candidate (False) until a GPU A/B decides: benchmarks/prefill_variants.py "narrow sort keys".
+NARROW_SORT_KEYS = False
+
+
+def expert_order(experts: Array, num_experts: int) -> Array:
+    """experts int [P] in [0, num_experts) -> int32 [P]: the pairs' stable order by expert (``jnp.argsort``
+    with ``stable=True``), on keys narrowed as ``NARROW_SORT_KEYS`` says."""
+    if NARROW_SORT_KEYS and num_experts <= 1 << 16:
+        experts = experts.astype(jnp.uint8 if num_experts <= 1 << 8 else jnp.uint16)
+    return jnp.argsort(experts, stable=True).astype(jnp.int32)
+
+
 def select_experts(
     logits: Array, correction_bias: Array, k: int, renormalize: bool, scaling_factor: float
 ) -> tuple[Array, Array]:
@@ -79,7 +95,7 @@ def moe_sorted(
     T, k = experts.shape
     E = w1.shape[0]
     flat = experts.reshape(-1)  # [T*k]
-    order = jnp.argsort(flat, stable=True)
+    order = expert_order(flat, E)
     token = order // k
     group_sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
     xs = x[token]  # [T*k, R]
@@ -88,4 +104,4 @@ def moe_sorted(
     return jnp.zeros((T, x.shape[1]), jnp.float32).at[token].add(y).astype(x.dtype)
 
 
-__all__ = ["select_experts", "situ", "swiglu", "grouped_matmul", "moe_dense", "moe_sorted"]
+__all__ = ["expert_order", "select_experts", "situ", "swiglu", "grouped_matmul", "moe_dense", "moe_sorted"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from k3jax.functional.moe import expert_order
 from k3jax.mx import MXTensor
 from k3jax.typing import Array
 from pallas_kernels._mosaic_gpu import interpret_argument
@@ -49,7 +50,7 @@ def tiled_moe_mx(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, weights: Ar
     E, F, R = w1.shape
     pairs = T * k
     flat = experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
+    order = expert_order(flat, E)
     dest, tile_groups = tiled_rows(jnp.bincount(flat, length=E), pairs, bm)
     slot = jnp.zeros((pairs,), jnp.int32).at[order].set(dest)  # pair f = t k + j sits at slot[f]
     rows = tiled_row_count(pairs, E, bm)
