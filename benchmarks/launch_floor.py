@@ -4,7 +4,7 @@ that each of the ~190 kernels of `mini`'s batch-1 step pays (issue 4: the step's
 only with fewer or longer kernels, benchmarks/RESULTS.md).
 
     python3 benchmarks/launch_floor.py [--lengths 50,150] [--width 2048]   (a CPU runs it in interpret
-                                                                            mode, for a check only)
+                                                                           mode, for a check only)
 
 Each link reads a float32 vector of ``width`` values (8 KB at 2048, an AttnRes mix's input row) and
 writes x * 1.0001 + 1; the next link reads that. Forms:
