@@ -90,7 +90,7 @@ def test_moe_layer_with_packed_experts(tokens):
 
 
 def test_moe_layer_tiled_for_prefill(monkeypatch):
-    """With the candidate's threshold on (lowered to 1 pair per expert) a bf16 layer takes its routed experts
+    """With the threshold lowered to 1 pair per expert (default 256) a bf16 layer takes its routed experts
     through ``tiled_moe_mx`` (the grouped Mosaic GPU kernel, interpret mode) and matches the reference path
     within bf16 rounding."""
     import k3jax.layers.moe as moe_layer
