@@ -21,9 +21,7 @@ Each switch turns one change off (module attributes read while a step is traced)
   kernel with atomic adds at every batch, not the two kernels without atomics);
 - selection kernel: ``MoE._routes_in_kernel`` False (at one token the experts are picked by the selection
   kernel before the fused MoE, not by its hidden programs).
-A candidate turns a form on that is not the default yet:
-- narrow sort keys: ``k3jax.functional.moe.NARROW_SORT_KEYS`` True (above 8 tokens `mini`'s MoE takes the
-  sorted dispatch, which then sorts its pairs on uint8 keys, by CUB's radix sort on Hopper, not on int32 keys).
+A candidate turns a form on that is not the default yet (``CANDIDATES``; none at present).
 Variants: the default, each switch alone, each candidate alone, all the changes off. Also prints each
 variant's first logits against the default's (with random bf16 weights the model amplifies float32 summation
 order).
@@ -38,7 +36,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import k3jax.functional.moe as moe_fn
 import k3jax.inference as inference
 import k3jax.layers.kda as kda
 import k3jax.model as model_module
@@ -61,9 +58,7 @@ OFF = {  # a change's name -> (owner, attribute, value with the change off)
     "one-kernel MoE": (mx_matmul, "SPLIT_MIN_TOKENS", 1 << 30),
     "selection kernel": (MoE, "_routes_in_kernel", lambda self, tokens: False),
 }
-CANDIDATES = {  # a candidate's name -> (owner, attribute, value with it on)
-    "narrow sort keys": (moe_fn, "NARROW_SORT_KEYS", True),
-}
+CANDIDATES: dict = {}  # a candidate's name -> (owner, attribute, value with it on)
 SWITCHES = Switches(OFF, CANDIDATES)
 
 

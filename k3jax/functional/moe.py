@@ -20,19 +20,11 @@ _GROUPED = jax.lax.RaggedDotDimensionNumbers(
 )
 
 
-# Sort keys of the (token, expert) pairs: the expert index as the narrowest unsigned type that holds it
-# (uint8 up to 256 experts, uint16 up to 65536) instead of int32. The stable order is the same; on Hopper XLA
-# sorts 8- and 16-bit keys by CUB's radix sort, but int32 keys under about 22000 elements by its own sort (its
-# SortRewriter heuristic), which took 49 us for a `mini` prefill chunk's 16384 pairs (benchmarks/RESULTS.md, MX
-# run 13). A candidate (False) until a GPU A/B decides: benchmarks/prefill_variants.py "narrow sort keys".
-NARROW_SORT_KEYS = False
-
-
-def expert_order(experts: Array, num_experts: int) -> Array:
-    """experts int [P] in [0, num_experts) -> int32 [P]: the pairs' stable order by expert (``jnp.argsort``
-    with ``stable=True``), on keys narrowed as ``NARROW_SORT_KEYS`` says."""
-    if NARROW_SORT_KEYS and num_experts <= 1 << 16:
-        experts = experts.astype(jnp.uint8 if num_experts <= 1 << 8 else jnp.uint16)
+def expert_order(experts: Array) -> Array:
+    """experts int [P] -> int32 [P]: the pairs' stable order by expert (``jnp.argsort`` with ``stable=True``).
+    The keys stay int32: uint8 / uint16 keys (which XLA sorts by CUB's radix sort on Hopper) measured no
+    faster in `mini`'s 8K prefill and 6% slower in its B=64 decode step (benchmarks/RESULTS.md, issue 4,
+    seventeenth session)."""
     return jnp.argsort(experts, stable=True).astype(jnp.int32)
 
 
@@ -95,7 +87,7 @@ def moe_sorted(
     T, k = experts.shape
     E = w1.shape[0]
     flat = experts.reshape(-1)  # [T*k]
-    order = expert_order(flat, E)
+    order = expert_order(flat)
     token = order // k
     group_sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
     xs = x[token]  # [T*k, R]

@@ -50,7 +50,7 @@ def tiled_moe_mx(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, weights: Ar
     E, F, R = w1.shape
     pairs = T * k
     flat = experts.reshape(-1)
-    order = expert_order(flat, E)
+    order = expert_order(flat)
     dest, tile_groups = tiled_rows(jnp.bincount(flat, length=E), pairs, bm)
     slot = jnp.zeros((pairs,), jnp.int32).at[order].set(dest)  # pair f = t k + j sits at slot[f]
     rows = tiled_row_count(pairs, E, bm)
