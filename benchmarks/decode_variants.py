@@ -24,7 +24,10 @@ Each switch turns one change off (module attributes read while a step is traced)
 A candidate turns a form on that is not the default yet:
 - one-kernel KDA decode core: ``k3jax.layers.kda.DECODE_CORE_KERNEL`` True (each KDA layer's short convs, z,
   recurrent step and gated output norm as one kernel, ``pallas_kernels.kda.decode_core``: 27 fewer kernels
-  a `mini` step at batch 1, 3 a layer).
+  a `mini` step at batch 1, 3 a layer);
+- shared expert in the up projection: ``k3jax.layers.basic.PRODUCT_IN_KERNEL`` True (at batch 1 the MoE's
+  shared-expert down projection is made in its latent up projection's matvec kernel, whose output it is
+  added to: 11 fewer kernels a `mini` step).
 Variants: the default, each switch alone, each candidate alone, all the changes off. Also prints each
 variant's first logits against the default's (with random bf16 weights the model amplifies float32 summation
 order).
@@ -63,6 +66,7 @@ OFF = {  # a change's name -> (owner, attribute, value with the change off)
 }
 CANDIDATES = {  # a candidate's name -> (owner, attribute, value with it on)
     "one-kernel KDA decode core": (kda, "DECODE_CORE_KERNEL", True),
+    "shared expert in the up projection": (basic, "PRODUCT_IN_KERNEL", True),
 }
 SWITCHES = Switches(OFF, CANDIDATES)
 
