@@ -11,8 +11,9 @@ writes x * 1.0001 + 1; the next link reads that. Forms:
 - XLA: one elementwise fusion a link (an optimization barrier between links keeps XLA from fusing them);
 - Pallas Triton, one program: the whole vector in one block;
 - Pallas Triton, 128 programs: the vector split over 128 programs (the grid a small matvec launches).
-Times are the median of 20 calls of the jitted chain (XLA's command buffers on, as in a decode step);
-us per link = (time at the longer chain - time at the shorter) / the difference in links.
+Times are the best of 5 rounds, each the median of 20 calls of the jitted chain (XLA's command buffers on,
+as in a decode step), the two chains in turn; us per link = (time at the longer chain - time at the
+shorter) / the difference in links.
 """
 
 from __future__ import annotations
@@ -68,6 +69,10 @@ def chain(link, length: int):
     return jax.jit(run)
 
 
+ROUNDS = 5  # the two chains timed in turn, each round a median of 20 calls; the best round each (one
+# session's single medians put the same link at 1.1-2.3 us)
+
+
 def median_seconds(fn, x, calls: int = 20) -> float:
     jax.block_until_ready(fn(x))
     times = []
@@ -99,7 +104,7 @@ def main() -> None:
         err = float(np.linalg.norm(out - expected) / np.linalg.norm(expected))
         if err > 1e-5:
             raise SystemExit(f"{name}: the chain's output is {err:.1e} from the float64 chain")
-        seconds = [median_seconds(fn, x) for fn in fns]
+        seconds = [min(ts) for ts in zip(*([median_seconds(fn, x) for fn in fns] for _ in range(ROUNDS)))]
         rows.append((name, *(s * 1e6 for s in seconds), (seconds[1] - seconds[0]) / (long - short) * 1e6))
     print(f"\nform | {short} links, us | {long} links, us | us per link")
     for name, a, b, per in rows:
