@@ -5,8 +5,9 @@ convs with SiLU (``pallas_kernels.short_conv``), z = f_b_proj(f_a) (an XLA einsu
 (``decode_step``) and the gated output norm (an XLA fusion). ``decode_core`` does all four in one kernel,
 one program per (sequence, head) holding the head's K key and V value channels:
 
-1. the causal short convs of its q, k and v channels (``conv_silu_step``'s arithmetic and summation order),
-   then SiLU, and the conv state moved up one token in place (each channel has one owner program);
+1. the causal short convs of its q, k and v channels with SiLU, the conv state moved up one token in place
+   (``pallas_kernels.short_conv.conv_silu_channels``, the conv kernel's own code; each channel has one
+   owner program);
 2. z of its K gate channels = f_b's K rows times f_a, summed in float32, rounded to f_a's dtype (as the
    layer's ``Linear`` einsum returns it);
 3. the step of ``decode_step`` with the fused gate (q, k L2 norms, the bounded gate from z, sigmoid of
@@ -25,32 +26,15 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 from k3jax.implementation import pallas_interpret
 from k3jax.typing import Array
 from pallas_kernels._triton import triton_params
 from pallas_kernels.kda.kernel import _decode_update, _sigmoid
+from pallas_kernels.short_conv import conv_silu_channels
 
 _F32 = jnp.float32
 DEFAULT_WARPS = 16  # the eighth session's fastest form of step + z + norm in one program per head (RESULTS)
-
-
-def _conv_silu(x_ref, taps_ref, conv_ref, b, first: int, channel0, n: int):
-    """silu of the causal conv of one sequence's n channels [channel0, channel0 + n) of an input (x_ref its
-    [n] block, taps_ref [F, W] the input's taps), whose state columns start at ``first`` + channel0 of
-    conv_ref [B, W - 1, C]; moves those state columns up one token. Returns float32 [n]."""
-    rows = conv_ref.shape[1]
-    at = lambda r: (pl.ds(b, 1), pl.ds(r, 1), pl.ds(first + channel0, n))
-    channels = pl.ds(channel0, n)
-    x = x_ref[...].astype(_F32)
-    past = [conv_ref[at(r)].reshape(n) for r in range(rows)]
-    y = jnp.zeros((n,), _F32)
-    for j, value in enumerate(past + [x]):
-        y = y + value * pltriton.load(taps_ref.at[channels, pl.ds(j, 1)]).reshape(n)
-    for r, value in enumerate(past[1:] + [x]):
-        conv_ref[at(r)] = value.reshape(1, 1, n)
-    return y / (1.0 + jnp.exp(-y))
 
 
 def _core_kernel(q_ref, k_ref, v_ref, q_taps, k_taps, v_taps, f_a_ref, f_b_ref, beta_ref, gate_ref, a_ref, dtb_ref,
@@ -62,9 +46,8 @@ def _core_kernel(q_ref, k_ref, v_ref, q_taps, k_taps, v_taps, f_a_ref, f_b_ref, 
     b, h = pl.program_id(0), pl.program_id(1)
     K, V = q_ref.shape[0], v_ref.shape[0]
     F = q_taps.shape[0]
-    q = _conv_silu(q_ref, q_taps, conv_ref, b, 0, h * K, K)
-    k = _conv_silu(k_ref, k_taps, conv_ref, b, F, h * K, K)
-    v = _conv_silu(v_ref, v_taps, conv_ref, b, 2 * F, h * V, V)
+    q, k, v = (conv_silu_channels(x_ref[...].astype(_F32), taps, conv_ref, b, first, h * n, n)
+               for x_ref, taps, first, n in ((q_ref, q_taps, 0, K), (k_ref, k_taps, F, K), (v_ref, v_taps, 2 * F, V)))
     z = jnp.sum(f_b_ref[...].astype(_F32) * f_a_ref[...].astype(_F32)[None, :], axis=1)
     z = z.astype(f_a_ref.dtype).astype(_F32)
     o, state_ref[...] = _decode_update(q, k, v, z, beta_ref[...], state_ref[...], (a_ref[...], dtb_ref[...]),
