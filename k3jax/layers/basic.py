@@ -77,16 +77,17 @@ ADD_IN_KERNEL = True
 PRODUCT_IN_KERNEL = False
 
 
-def _matvec_kernel_fits(rows: int, x_dtype, weights: Sequence[Array], dtypes: Sequence) -> bool:
-    """The Pallas path, one row (a batch-1 decode step), off TPU, and operands the kernel reads
-    exactly as the einsums would: each weight in the product's dtype (or the product in float32),
-    and x too unless every product has one dtype (the kernel then rounds x to it)."""
-    if not triton_kernels():
+def _matvec_kernel_fits(x: "Array | DepthMix | Activated", x_dtype, weights: Sequence[Array], dtypes: Sequence) -> bool:
+    """The Pallas path, one row of x (a batch-1 decode step), off TPU, an ``Activated`` no wider than
+    ``ACT_PROLOGUE_MAX_WIDTH``, and operands the kernel reads exactly as the einsums would: each weight in
+    the product's dtype (or the product in float32), and x too unless every product has one dtype (the
+    kernel then rounds x to it)."""
+    if not triton_kernels() or (isinstance(x, Activated) and x.shape[-1] > ACT_PROLOGUE_MAX_WIDTH):
         return False
     exact = lambda dtype, dt: dtype == dt or dt == jnp.float32
     uniform = len({jnp.dtype(dt) for dt in dtypes}) == 1
-    return 0 < rows <= MATVEC_KERNEL_ROWS and all(exact(w.dtype, dt) and (uniform or exact(x_dtype, dt))
-                                                  for w, dt in zip(weights, dtypes))
+    return 0 < math.prod(x.shape[:-1]) <= MATVEC_KERNEL_ROWS and all(
+        exact(w.dtype, dt) and (uniform or exact(x_dtype, dt)) for w, dt in zip(weights, dtypes))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,8 +147,7 @@ def _kernel_product(p: Projected, rows: int):
     """The matvec kernel's ``Product`` for a ``Projected`` addend, or None where it is made apart."""
     x_dtype = _input_dtype(p.x, None)
     if not (PRODUCT_IN_KERNEL and math.prod(p.x.shape[:-1]) == rows
-            and _matvec_kernel_fits(rows, x_dtype, [p.weight], [x_dtype])
-            and not (isinstance(p.x, Activated) and p.x.shape[-1] > ACT_PROLOGUE_MAX_WIDTH)):
+            and _matvec_kernel_fits(p.x, x_dtype, [p.weight], [x_dtype])):
         return None
     from pallas_kernels.matvec import Product, Prologue
 
@@ -216,8 +216,7 @@ def project(x: "Array | DepthMix | Activated", weights: Sequence[Array], dtypes:
         raise ValueError(f"project: add needs exactly one weight, got {len(weights)}")
     x_dtype = _input_dtype(x, read_as)
     dtypes = [x_dtype] * len(weights) if dtypes is None else list(dtypes)
-    kernel = _matvec_kernel_fits(math.prod(x.shape[:-1]), x_dtype, weights, dtypes) and not (
-        isinstance(x, Activated) and x.shape[-1] > ACT_PROLOGUE_MAX_WIDTH)
+    kernel = _matvec_kernel_fits(x, x_dtype, weights, dtypes)
     if isinstance(x, DepthMix):
         x, norm = _mixed(x, norm, kernel)
     if kernel:
@@ -226,11 +225,9 @@ def project(x: "Array | DepthMix | Activated", weights: Sequence[Array], dtypes:
         lead = x.shape[:-1]
         rows, kwargs = _prologue_kwargs(x, norm, read_as, dtypes)
         addends = _kernel_addends(add, rows.shape[0], dtypes[0]) if add else None
-        add = [_value(a) for a in add] if addends is None else add
         adds = None if addends is None else [addends]
         outs = [y.reshape(*lead, y.shape[-1]) for y in matvecs(rows, list(weights), dtypes, add=adds, **kwargs)]
         return [add_rounded(outs[0], add)] if add and addends is None else outs
-    add = [_value(a) for a in add]
     if read_as is not None:
         x = x.astype(read_as) if not isinstance(x, Activated) else Activated(
             x.act, *(a.astype(read_as) for a in (x.gate, x.up)))
@@ -242,10 +239,10 @@ def project(x: "Array | DepthMix | Activated", weights: Sequence[Array], dtypes:
     return [add_rounded(outs[0], add)] if add else outs
 
 
-def add_rounded(y: Array, add: Sequence[Array]) -> Array:
-    """y plus each of ``add`` in turn, each sum rounded to y's dtype."""
+def add_rounded(y: Array, add: Sequence["Array | Projected"]) -> Array:
+    """y plus each of ``add`` in turn (a ``Projected`` made first), each sum rounded to y's dtype."""
     for a in add:
-        y = (y + a).astype(y.dtype)
+        y = (y + _value(a)).astype(y.dtype)
     return y
 
 

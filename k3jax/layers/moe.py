@@ -164,13 +164,14 @@ class MoE(nnx.Module):
                 renormalize=cfg.renormalize, scaling_factor=cfg.routed_scaling_factor, out_dtype=fused_out)
         else:
             y = self._routed(z, w1, w3, w2, *self._select(logits), mesh, fused, fused_out)
-        residuals = [] if residual is None else [residual.reshape(B * T, D)]
-        if cfg.latent_size:  # the shared experts' down projection may be made in the up projection's kernel
-            add = ([self.shared_experts.down_addend(*shared)] if cfg.num_shared_experts else []) + residuals
+        # the shared experts' down projection, which the up projection's kernel may make itself
+        add = [self.shared_experts.down_addend(*shared)] if cfg.num_shared_experts else []
+        add += [] if residual is None else [residual.reshape(B * T, D)]
+        if cfg.latent_size:
             norm = self.routed_expert_norm if cfg.latent_norm else None
             y = project(y, [self.routed_expert_up_proj.weight[...]], norm=norm, read_as=z.dtype, add=add)[0]
         else:
-            y = add_rounded(y, ([self.shared_experts.down(*shared)] if cfg.num_shared_experts else []) + residuals)
+            y = add_rounded(y, add)
         return y.reshape(B, T, D)
 
     def _routes_in_kernel(self, tokens: int) -> bool:
