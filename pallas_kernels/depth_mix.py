@@ -45,6 +45,8 @@ def _mix_norm_kernel(partial_ref, blocks_ref, count_ref, site_norm_ref, site_pro
     sources.append(load(partial_ref.at[pl.ds(row, 1), pl.ds(0, width)]))
     query = load(site_norm_ref.at[:, pl.ds(0, width)]) * load(site_proj_ref.at[:, pl.ds(0, width)])
     count = pltriton.load(count_ref.at[pl.ds(0, 1)])[None, :]
+    # loaded with the sources: a load written after the reductions below would wait for their barriers
+    norm_weight = None if norm_ref is None else load(norm_ref.at[:, pl.ds(0, width)])
     scores = []
     for s, x in enumerate(sources):
         inverse_rms = jax.lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) / depth + mix_eps)
@@ -54,10 +56,10 @@ def _mix_norm_kernel(partial_ref, blocks_ref, count_ref, site_norm_ref, site_pro
     e = [jnp.exp(score - top) for score in scores]
     total = functools.reduce(jnp.add, e)
     mixed = functools.reduce(jnp.add, [w / total * x for w, x in zip(e, sources)]).astype(out_ref.dtype)
-    if norm_ref is not None:
+    if norm_weight is not None:
         m = mixed.astype(_F32)
         inverse = jax.lax.rsqrt(jnp.sum(m * m, axis=1, keepdims=True) / depth + eps)
-        mixed = (m * inverse * load(norm_ref.at[:, pl.ds(0, width)])).astype(out_ref.dtype)
+        mixed = (m * inverse * norm_weight).astype(out_ref.dtype)
     pltriton.store(out_ref.at[pl.ds(row, 1), pl.ds(0, width)], mixed, mask=cols)
 
 

@@ -264,25 +264,28 @@ def _block_product(x_refs: _XRefs, w_ref, add_refs, o_ref, row0, *, bn: int, bk:
     units, bf16 operands where both are bf16, else float32 at precision HIGHEST (exact products)."""
     m_rows = x_refs.x.shape[0]
     row_mask = _valid(row0, bn, w_ref.shape[0])
+    if dot:
+        blocks = {None: (pl.ds(0, DOT_ROWS), _tile_mask(_valid(0, DOT_ROWS, m_rows), row_mask, (DOT_ROWS, bn)))}
+    else:
+        out_mask = None if row_mask is None else row_mask[None, :]
+        blocks = {m: (pl.ds(m, 1), out_mask) for m in range(m_rows)}
+    # The array addends first: a load written after the products' row sums would wait for their barriers.
+    addends = {m: [None if isinstance(a_ref, _ProductRefs) else _load(a_ref.at[rows, pl.ds(row0, bn)], mask)
+                   for a_ref in add_refs] for m, (rows, mask) in blocks.items()}
     acc = _sums(x_refs, w_ref, row0, bn=bn, bk=bk, dot=dot, prologue=prologue)
     products = {i: _sums(a.x, a.weight, row0, bn=bn, bk=a.bk, dot=False, prologue=a.prologue)
                 for i, a in enumerate(add_refs) if isinstance(a, _ProductRefs)}
 
-    def epilogue(y, rows, mask, m=None):
+    def epilogue(y, m):
         y = y.astype(o_ref.dtype)
-        for i, a_ref in enumerate(add_refs):
-            a = products[i][m][None, :] if i in products else _load(a_ref.at[rows, pl.ds(row0, bn)], mask)
+        for i, a in enumerate(addends[m]):
+            a = products[i][m][None, :] if a is None else a
             y = (y.astype(jnp.float32) + a.astype(o_ref.dtype).astype(jnp.float32)).astype(o_ref.dtype)
         return y
 
-    if dot:
-        rows, mask = pl.ds(0, DOT_ROWS), _tile_mask(_valid(0, DOT_ROWS, m_rows), row_mask, (DOT_ROWS, bn))
-        pltriton.store(o_ref.at[rows, pl.ds(row0, bn)], epilogue(acc, rows, mask), mask=mask)
-        return
-    out_mask = None if row_mask is None else row_mask[None, :]
-    for m in range(m_rows):
-        rows = pl.ds(m, 1)
-        pltriton.store(o_ref.at[rows, pl.ds(row0, bn)], epilogue(acc[m][None, :], rows, out_mask, m), mask=out_mask)
+    for m, (rows, mask) in blocks.items():
+        y = acc if dot else acc[m][None, :]
+        pltriton.store(o_ref.at[rows, pl.ds(row0, bn)], epilogue(y, m), mask=mask)
 
 
 def _matvecs_kernel(*refs, parts: tuple[_Part, ...], add_kinds: tuple[tuple[bool, ...], ...], bk: int, dot: bool,

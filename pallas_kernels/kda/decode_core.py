@@ -6,8 +6,8 @@ convs with SiLU (``pallas_kernels.short_conv``), z = f_b_proj(f_a) (an XLA einsu
 one program per (sequence, head) holding the head's K key and V value channels:
 
 1. the causal short convs of its q, k and v channels with SiLU, the conv state moved up one token in place
-   (``pallas_kernels.short_conv.conv_silu_channels``, the conv kernel's own code; each channel has one
-   owner program);
+   (``pallas_kernels.short_conv``'s ``load_conv_channels`` and ``conv_silu_update``, the conv kernel's own
+   code; each channel has one owner program);
 2. z of its K gate channels = f_b's K rows times f_a, summed in float32, rounded to f_a's dtype (as the
    layer's ``Linear`` einsum returns it);
 3. the step of ``decode_step`` with the fused gate (q, k L2 norms, the bounded gate from z, sigmoid of
@@ -31,7 +31,7 @@ from k3jax.implementation import pallas_interpret
 from k3jax.typing import Array
 from pallas_kernels._triton import triton_params
 from pallas_kernels.kda.kernel import _decode_update, _sigmoid
-from pallas_kernels.short_conv import conv_silu_channels
+from pallas_kernels.short_conv import conv_silu_update, load_conv_channels
 
 _F32 = jnp.float32
 DEFAULT_WARPS = 16  # the eighth session's fastest form of step + z + norm in one program per head (RESULTS)
@@ -46,14 +46,18 @@ def _core_kernel(q_ref, k_ref, v_ref, q_taps, k_taps, v_taps, f_a_ref, f_b_ref, 
     b, h = pl.program_id(0), pl.program_id(1)
     K, V = q_ref.shape[0], v_ref.shape[0]
     F = q_taps.shape[0]
-    q, k, v = (conv_silu_channels(x_ref[...].astype(_F32), taps, conv_ref, b, first, h * n, n)
-               for x_ref, taps, first, n in ((q_ref, q_taps, 0, K), (k_ref, k_taps, F, K), (v_ref, v_taps, 2 * F, V)))
-    z = jnp.sum(f_b_ref[...].astype(_F32) * f_a_ref[...].astype(_F32)[None, :], axis=1)
-    z = z.astype(f_a_ref.dtype).astype(_F32)
-    o, state_ref[...] = _decode_update(q, k, v, z, beta_ref[...], state_ref[...], (a_ref[...], dtb_ref[...]),
-                                       scale=scale, lower_bound=lower_bound)
-    normed = o * jax.lax.rsqrt(jnp.mean(o * o) + eps) * weight_ref[...].astype(_F32)
-    o_ref[...] = (normed * _sigmoid(gate_ref[...].astype(_F32))).astype(o_ref.dtype)
+    # Every load first: a load written after a reduction (z's, the L2 norms') waits for its barrier, so the
+    # state's and f_b's DRAM reads would otherwise start only when the convs and z are done.
+    state, f_b, f_a = state_ref[...], f_b_ref[...], f_a_ref[...]
+    beta, gate, gates, weight = beta_ref[...], gate_ref[...], (a_ref[...], dtb_ref[...]), weight_ref[...]
+    convs = [(x_ref[...], load_conv_channels(taps, conv_ref, b, first, h * n, n), first, n)
+             for x_ref, taps, first, n in ((q_ref, q_taps, 0, K), (k_ref, k_taps, F, K), (v_ref, v_taps, 2 * F, V))]
+    q, k, v = (conv_silu_update(x.astype(_F32), loaded, conv_ref, b, first, h * n, n) for x, loaded, first, n in convs)
+    z = jnp.sum(f_b.astype(_F32) * f_a.astype(_F32)[None, :], axis=1)
+    z = z.astype(f_a.dtype).astype(_F32)
+    o, state_ref[...] = _decode_update(q, k, v, z, beta, state, gates, scale=scale, lower_bound=lower_bound)
+    normed = o * jax.lax.rsqrt(jnp.mean(o * o) + eps) * weight.astype(_F32)
+    o_ref[...] = (normed * _sigmoid(gate.astype(_F32))).astype(o_ref.dtype)
 
 
 def decode_core(q: Array, k: Array, v: Array, taps: tuple[Array, Array, Array], conv: Array, f_a: Array, f_b: Array,
