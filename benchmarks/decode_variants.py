@@ -21,13 +21,7 @@ Each switch turns one change off (module attributes read while a step is traced)
   kernel with atomic adds at every batch, not the two kernels without atomics);
 - selection kernel: ``MoE._routes_in_kernel`` False (at one token the experts are picked by the selection
   kernel before the fused MoE, not by its hidden programs).
-A candidate turns a form on that is not the default yet:
-- one-kernel KDA decode core: ``k3jax.layers.kda.DECODE_CORE_KERNEL`` True (each KDA layer's short convs, z,
-  recurrent step and gated output norm as one kernel, ``pallas_kernels.kda.decode_core``: 27 fewer kernels
-  a `mini` step at batch 1, 3 a layer);
-- shared expert in the up projection: ``k3jax.layers.basic.PRODUCT_IN_KERNEL`` True (at batch 1 the MoE's
-  shared-expert down projection is made in its latent up projection's matvec kernel, whose output it is
-  added to: 11 fewer kernels a `mini` step).
+A candidate turns a form on that is not the default yet (``CANDIDATES``; none at present).
 Variants: the default, each switch alone, each candidate alone, all the changes off. Also prints each
 variant's first logits against the default's (with random bf16 weights the model amplifies float32 summation
 order).
@@ -64,10 +58,7 @@ OFF = {  # a change's name -> (owner, attribute, value with the change off)
     "one-kernel MoE": (mx_matmul, "SPLIT_MIN_TOKENS", 1 << 30),
     "selection kernel": (MoE, "_routes_in_kernel", lambda self, tokens: False),
 }
-CANDIDATES = {  # a candidate's name -> (owner, attribute, value with it on)
-    "one-kernel KDA decode core": (kda, "DECODE_CORE_KERNEL", True),
-    "shared expert in the up projection": (basic, "PRODUCT_IN_KERNEL", True),
-}
+CANDIDATES: dict = {}  # a candidate's name -> (owner, attribute, value with it on)
 SWITCHES = Switches(OFF, CANDIDATES)
 
 

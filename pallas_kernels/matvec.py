@@ -28,9 +28,7 @@ come from the tile where it holds the whole row, else from one pass over x befor
 
 Output epilogue (``add``): arrays added to an output after its rounding, each sum rounded again (the
 residual adds after a layer's last projection, and a MoE's shared-expert output), so that no XLA add
-kernel follows the matvec. One addend may be a ``Product`` that the kernel makes itself, with its own
-input and prologue (a MoE's shared-expert down projection inside its up projection: one kernel fewer;
-``k3jax.layers.basic.PRODUCT_IN_KERNEL``, a candidate).
+kernel follows the matvec.
 
 Ragged shapes: a weight of fewer rows than bn gets a block of next_power_of_2(N_i) rows (Triton
 blocks are powers of two); a last block that runs past N_i loads with a row mask (zeros) and stores
@@ -162,19 +160,6 @@ class _XRefs(NamedTuple):
     norm: object
 
 
-class Product(NamedTuple):
-    """An addend that the kernel makes itself: x' @ weight^T [M, N] for x [M, D2] (``second``: act's
-    second input, [M, D2]) and weight [N, D2], x' what ``prologue`` (no norm) makes of x, float32
-    sums rounded once to the output's dtype: what a ``matvecs`` call of its own would return, so that
-    the output it is added to needs no second kernel before it (a shared expert's down projection,
-    added to the MoE's up projection)."""
-
-    x: Array
-    weight: Array
-    prologue: Prologue = Prologue()
-    second: Array | None = None
-
-
 def _x_tiles(refs: _XRefs, prologue: Prologue, rows: int, bk: int, firsts) -> "callable":
     """x_at(row0, col0) -> the prologue's x [rows, bk] at those rows and columns (zeros past x's
     ends), for row0 in ``firsts``."""
@@ -220,9 +205,15 @@ def _x_tiles(refs: _XRefs, prologue: Prologue, rows: int, bk: int, firsts) -> "c
     return x_at
 
 
-def _sums(x_refs: _XRefs, w_ref, row0, *, bn: int, bk: int, dot: bool, prologue: Prologue):
-    """x @ w[row0:row0 + bn]^T in float32 (x as the prologue makes it), rows past w's end masked: a [bn]
-    sum per row of x (rows form), or a [DOT_ROWS, bn] accumulator (dot form)."""
+def _block_product(x_refs: _XRefs, w_ref, add_refs, o_ref, row0, *, bn: int, bk: int, dot: bool,
+                   prologue: Prologue) -> None:
+    """o[:, row0:row0 + bn] = x @ w[row0:row0 + bn]^T in float32, rows past w's end masked (x as the
+    prologue makes it), rounded to o's dtype, then each addend's block added in turn (in float32,
+    rounded to o's dtype after each: ``(y + a).astype(y.dtype)``).
+
+    Rows form: a float32 [bn] sum per row of x, each step adding the row sums of w * x_m. Dot form:
+    a [DOT_ROWS, bn] float32 accumulator from x (rows past M loaded as zeros) . w^T on the matrix
+    units, bf16 operands where both are bf16, else float32 at precision HIGHEST (exact products)."""
     m_rows, depth = x_refs.x.shape
     row_mask = _valid(row0, bn, w_ref.shape[0])
     x_at = _x_tiles(x_refs, prologue, DOT_ROWS if dot else 1, bk, [0] if dot else range(m_rows))
@@ -240,71 +231,35 @@ def _sums(x_refs: _XRefs, w_ref, row0, *, bn: int, bk: int, dot: bool, prologue:
         return tuple(acc[m] + jnp.sum(w * x_at(m, col0).astype(jnp.float32), axis=1) for m in range(m_rows))
 
     init = jnp.zeros((DOT_ROWS, bn), jnp.float32) if dot else (jnp.zeros((bn,), jnp.float32),) * m_rows
-    return jax.lax.fori_loop(0, pl.cdiv(depth, bk), step, init)
+    acc = jax.lax.fori_loop(0, pl.cdiv(depth, bk), step, init)
 
-
-class _ProductRefs(NamedTuple):
-    """A ``Product`` addend inside the kernel: its x refs, weight ref, prologue and step width."""
-
-    x: _XRefs
-    weight: object
-    prologue: Prologue
-    bk: int
-
-
-def _block_product(x_refs: _XRefs, w_ref, add_refs, o_ref, row0, *, bn: int, bk: int, dot: bool,
-                   prologue: Prologue) -> None:
-    """o[:, row0:row0 + bn] = x @ w[row0:row0 + bn]^T in float32, rows past w's end masked (x as the
-    prologue makes it), rounded to o's dtype, then each addend's block added in turn (in float32,
-    rounded to o's dtype after each: ``(y + a).astype(y.dtype)``); an addend is an array's ref, or a
-    ``_ProductRefs`` whose sums (rows form) are rounded to o's dtype first.
-
-    Rows form: a float32 [bn] sum per row of x, each step adding the row sums of w * x_m. Dot form:
-    a [DOT_ROWS, bn] float32 accumulator from x (rows past M loaded as zeros) . w^T on the matrix
-    units, bf16 operands where both are bf16, else float32 at precision HIGHEST (exact products)."""
-    m_rows = x_refs.x.shape[0]
-    row_mask = _valid(row0, bn, w_ref.shape[0])
-    if dot:
-        blocks = {None: (pl.ds(0, DOT_ROWS), _tile_mask(_valid(0, DOT_ROWS, m_rows), row_mask, (DOT_ROWS, bn)))}
-    else:
-        out_mask = None if row_mask is None else row_mask[None, :]
-        blocks = {m: (pl.ds(m, 1), out_mask) for m in range(m_rows)}
-    # The array addends first: a load written after the products' row sums would wait for their barriers.
-    addends = {m: [None if isinstance(a_ref, _ProductRefs) else _load(a_ref.at[rows, pl.ds(row0, bn)], mask)
-                   for a_ref in add_refs] for m, (rows, mask) in blocks.items()}
-    acc = _sums(x_refs, w_ref, row0, bn=bn, bk=bk, dot=dot, prologue=prologue)
-    products = {i: _sums(a.x, a.weight, row0, bn=bn, bk=a.bk, dot=False, prologue=a.prologue)
-                for i, a in enumerate(add_refs) if isinstance(a, _ProductRefs)}
-
-    def epilogue(y, m):
+    def epilogue(y, rows, mask):
         y = y.astype(o_ref.dtype)
-        for i, a in enumerate(addends[m]):
-            a = products[i][m][None, :] if a is None else a
-            y = (y.astype(jnp.float32) + a.astype(o_ref.dtype).astype(jnp.float32)).astype(o_ref.dtype)
+        for a_ref in add_refs:
+            a = _load(a_ref.at[rows, pl.ds(row0, bn)], mask)
+            y = (y.astype(jnp.float32) + a.astype(jnp.float32)).astype(o_ref.dtype)
         return y
 
-    for m, (rows, mask) in blocks.items():
-        y = acc if dot else acc[m][None, :]
-        pltriton.store(o_ref.at[rows, pl.ds(row0, bn)], epilogue(y, m), mask=mask)
+    if dot:
+        rows, mask = pl.ds(0, DOT_ROWS), _tile_mask(_valid(0, DOT_ROWS, m_rows), row_mask, (DOT_ROWS, bn))
+        pltriton.store(o_ref.at[rows, pl.ds(row0, bn)], epilogue(acc, rows, mask), mask=mask)
+        return
+    out_mask = None if row_mask is None else row_mask[None, :]
+    for m in range(m_rows):
+        rows = pl.ds(m, 1)
+        pltriton.store(o_ref.at[rows, pl.ds(row0, bn)], epilogue(acc[m][None, :], rows, out_mask), mask=out_mask)
 
 
-def _matvecs_kernel(*refs, parts: tuple[_Part, ...], add_kinds: tuple[tuple[bool, ...], ...], bk: int, dot: bool,
-                    prologue: Prologue, product: tuple[Prologue, int] | None):
+def _matvecs_kernel(*refs, parts: tuple[_Part, ...], n_adds: tuple[int, ...], bk: int, dot: bool,
+                    prologue: Prologue):
     """Refs: x [M, D]; act's second input [M, D] (with act), the norm weight [1, D] (with a norm);
-    the weights [N_i, D]; each weight's array addends [M, N_i], weight by weight (``add_kinds[i]``: each
-    addend of weight i in order, True for the product); with ``product`` (its prologue and step width),
-    its x [M, D2], act's second input (with act) and weight [N, D2]; then the outputs [M, N_i] (whole arrays)."""
+    the weights [N_i, D]; each weight's addends [M, N_i] (n_adds[i] of them), weight by weight; then the
+    outputs [M, N_i] (whole arrays)."""
     uses = (True, prologue.act is not None, prologue.eps is not None)
     refs = list(refs)
     x_refs = _XRefs(*(refs.pop(0) if used else None for used in uses))
     w_refs = [refs.pop(0) for _ in parts]
-    add_refs = [[None if is_product else refs.pop(0) for is_product in kinds] for kinds in add_kinds]
-    if product is not None:
-        p_prologue, p_bk = product
-        p_x = _XRefs(refs.pop(0), refs.pop(0) if p_prologue.act is not None else None, None)
-        p_refs = _ProductRefs(p_x, refs.pop(0), p_prologue, p_bk)
-        add_refs = [[p_refs if is_product else a for a, is_product in zip(adds, kinds)]
-                    for adds, kinds in zip(add_refs, add_kinds)]
+    add_refs = [[refs.pop(0) for _ in range(n)] for n in n_adds]
     program = pl.program_id(0)
     for w_ref, adds, o_ref, part in zip(w_refs, add_refs, refs, parts):
         @pl.when((program >= part.first) & (program < part.first + part.blocks))
@@ -313,27 +268,24 @@ def _matvecs_kernel(*refs, parts: tuple[_Part, ...], add_kinds: tuple[tuple[bool
             _block_product(x_refs, w_ref, adds, o_ref, row0, bn=part.bn, bk=bk, dot=dot, prologue=prologue)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtypes", "prologue", "add_kinds", "product_prologue", "blocks",
-                                             "interpret"))
-def _matvecs(x, second, norm_weight, weights, adds, product_arrays, *, out_dtypes, prologue: Prologue, add_kinds,
-             product_prologue: Prologue | None, blocks: MatvecBlocks, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("out_dtypes", "prologue", "blocks", "interpret"))
+def _matvecs(x, second, norm_weight, weights, adds, *, out_dtypes, prologue: Prologue, blocks: MatvecBlocks,
+             interpret: bool):
     m_rows, depth = x.shape
     min_bn = DOT_ROWS if blocks.dot else 1
     parts = _parts([w.shape[0] for w in weights], blocks.bn, min_bn)
-    step = lambda d: max(min(blocks.bk, pl.next_power_of_2(d)), min_bn)
-    bk = step(depth)
+    bk = max(min(blocks.bk, pl.next_power_of_2(depth)), min_bn)
     params = triton_params(blocks.num_warps, blocks.num_stages, interpret)
     inputs = [a for a in (second, None if norm_weight is None else norm_weight.reshape(1, -1)) if a is not None]
-    product = None if product_prologue is None else (product_prologue, step(product_arrays[0].shape[1]))
     return pl.pallas_call(
-        functools.partial(_matvecs_kernel, parts=parts, add_kinds=add_kinds, bk=bk, dot=blocks.dot,
-                          prologue=prologue, product=product),
+        functools.partial(_matvecs_kernel, parts=parts, n_adds=tuple(len(a) for a in adds), bk=bk, dot=blocks.dot,
+                          prologue=prologue),
         out_shape=tuple(jax.ShapeDtypeStruct((m_rows, w.shape[0]), d) for w, d in zip(weights, out_dtypes)),
         grid=(parts[-1].first + parts[-1].blocks,),
         compiler_params=params,
         interpret=interpret,
         name="matvecs",
-    )(x, *inputs, *weights, *(a for weight_adds in adds for a in weight_adds), *product_arrays)
+    )(x, *inputs, *weights, *(a for weight_adds in adds for a in weight_adds))
 
 
 def _prologue_dtype(x: Array, second: Array | None, prologue: Prologue):
@@ -363,8 +315,7 @@ def matvecs(x: Array, weights: Sequence[Array], out_dtypes: Sequence | None = No
 
     bf16 or float32 operands; float32 products and sums, one rounding to the output dtype (default
     x'.dtype). ``add``: per weight, arrays [M, N_i] in its output dtype added to its output in turn,
-    each sum rounded to that dtype (as ``y + a`` would be), so that no XLA add follows the kernel; one
-    addend in all may be a ``Product`` (rows form only: not with ``blocks.dot``), made in the kernel. One
+    each sum rounded to that dtype (as ``y + a`` would be), so that no XLA add follows the kernel. One
     kernel for all the weights. ``blocks`` default: ``DEFAULT_BLOCKS``, read at each call."""
     weights = tuple(weights)
     if x.ndim != 2 or not 1 <= x.shape[0] <= MAX_ROWS:
@@ -393,46 +344,14 @@ def matvecs(x: Array, weights: Sequence[Array], out_dtypes: Sequence | None = No
     add = tuple(() for _ in weights) if add is None else tuple(tuple(a) for a in add)
     if len(add) != len(weights):
         raise ValueError(f"add must hold one sequence of addends per weight ({len(weights)}), got {len(add)}")
-    blocks = blocks or DEFAULT_BLOCKS
-    products = [a for adds in add for a in adds if isinstance(a, Product)]
     for i, (adds, w, dt) in enumerate(zip(add, weights, out_dtypes)):
         for a in adds:
-            if isinstance(a, Product):
-                _check_product(a, x.shape[0], w.shape[0], dt, blocks, i)
-            elif a.shape != (x.shape[0], w.shape[0]) or jnp.dtype(a.dtype) != jnp.dtype(dt):
+            if a.shape != (x.shape[0], w.shape[0]) or jnp.dtype(a.dtype) != jnp.dtype(dt):
                 raise ValueError(f"addends of output {i} must be [M, N] = {[x.shape[0], w.shape[0]]} in its dtype "
                                  f"{jnp.dtype(dt)}, got {a.shape} {a.dtype}")
-    if len(products) > 1:
-        raise ValueError(f"add may hold one Product in all, got {len(products)}")
-    product = products[0] if products else None
-    product_arrays = () if product is None else tuple(
-        a for a in (product.x, product.second, product.weight) if a is not None)
     interpret = pallas_interpret() if interpret is None else interpret
-    return _matvecs(x, second, norm_weight, weights, tuple(tuple(a for a in adds if not isinstance(a, Product))
-                                                           for adds in add), product_arrays,
-                    out_dtypes=tuple(jnp.dtype(d) for d in out_dtypes), prologue=prologue,
-                    add_kinds=tuple(tuple(isinstance(a, Product) for a in adds) for adds in add),
-                    product_prologue=None if product is None else product.prologue, blocks=blocks,
-                    interpret=interpret)
+    return _matvecs(x, second, norm_weight, weights, add, out_dtypes=tuple(jnp.dtype(d) for d in out_dtypes),
+                    prologue=prologue, blocks=blocks or DEFAULT_BLOCKS, interpret=interpret)
 
 
-def _check_product(p: Product, m_rows: int, n: int, out_dtype, blocks: MatvecBlocks, output: int) -> None:
-    """A ``Product`` addend of output ``output`` ([M, N] in out_dtype) that the kernel can make."""
-    where = f"the Product added to output {output}"
-    if blocks.dot:
-        raise ValueError(f"{where}: a Product addend needs the rows form (MatvecBlocks.dot False)")
-    if p.x.ndim != 2 or p.x.shape[0] != m_rows or p.weight.shape != (n, p.x.shape[1]):
-        raise ValueError(f"{where}: x must be [M, D2] with M = {m_rows} and weight [N, D2] with N = {n}, got x "
-                         f"{p.x.shape} and weight {p.weight.shape}")
-    if (p.second is None) != (p.prologue.act is None) or (p.second is not None and p.second.shape != p.x.shape):
-        raise ValueError(f"{where}: act's second input must be given exactly with act, shaped as x {p.x.shape}")
-    if p.prologue.eps is not None:
-        raise ValueError(f"{where}: its prologue takes no norm")
-    for a in (p.x, p.weight, *(() if p.second is None else (p.second,))):
-        _check_dtype(f"{where}'s operands", a.dtype)
-    if jnp.dtype(_prologue_dtype(p.x, p.second, p.prologue)) != jnp.dtype(out_dtype):
-        raise ValueError(f"{where}: its own output dtype {_prologue_dtype(p.x, p.second, p.prologue)} must be the "
-                         f"output's {jnp.dtype(out_dtype)}")
-
-
-__all__ = ["DEFAULT_BLOCKS", "MAX_ROWS", "MatvecBlocks", "Product", "Prologue", "matvecs"]
+__all__ = ["DEFAULT_BLOCKS", "MAX_ROWS", "MatvecBlocks", "Prologue", "matvecs"]

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,42 +32,6 @@ _F32 = jnp.float32
 BLOCK_CHANNELS = 256  # channels per program (at most; a power of two dividing F)
 
 
-class ConvChannels(NamedTuple):
-    """What one program reads for its channels' conv before computing it: the state's W - 1 past rows and
-    the W taps, float32 [n] each."""
-
-    past: list
-    taps: list
-
-
-def load_conv_channels(taps_ref, state_ref, b, first, channel0, n: int) -> ConvChannels:
-    """Inside a Triton kernel: sequence b's state rows and taps of n channels [channel0, channel0 + n) of
-    one input (taps_ref [F, W] the input's taps; its state columns start at ``first`` + channel0 of
-    state_ref [B, W - 1, C]). Apart from ``conv_silu_update``, so a kernel can issue every load first."""
-    channels = pl.ds(channel0, n)
-    past = [state_ref[pl.ds(b, 1), pl.ds(r, 1), pl.ds(first + channel0, n)].reshape(n)
-            for r in range(state_ref.shape[1])]
-    taps = [pltriton.load(taps_ref.at[channels, pl.ds(j, 1)]).reshape(n) for j in range(taps_ref.shape[1])]
-    return ConvChannels(past, taps)
-
-
-def conv_silu_update(x: Array, loaded: ConvChannels, state_ref, b, first, channel0, n: int) -> Array:
-    """silu of the causal conv of those channels (``load_conv_channels``' arguments), x float32 [n] their
-    new values; moves their state columns up one token (x the last row). Returns float32 [n]."""
-    y = jnp.zeros((n,), _F32)
-    for value, tap in zip(loaded.past + [x], loaded.taps):
-        y = y + value * tap
-    for r, value in enumerate(loaded.past[1:] + [x]):
-        state_ref[pl.ds(b, 1), pl.ds(r, 1), pl.ds(first + channel0, n)] = value.reshape(1, 1, n)
-    return y / (1.0 + jnp.exp(-y))
-
-
-def conv_silu_channels(x: Array, taps_ref, state_ref, b, first, channel0, n: int) -> Array:
-    """``conv_silu_update`` of x after ``load_conv_channels``."""
-    return conv_silu_update(x, load_conv_channels(taps_ref, state_ref, b, first, channel0, n), state_ref, b, first,
-                            channel0, n)
-
-
 def _conv_silu_kernel(*refs, n_inputs: int, block: int):
     """Refs: xs [B, F] (n_inputs), taps [F, W] (n_inputs), the state input [B, W-1, n F], then ys [B, F]
     float32 (n_inputs) and the state output, which is the state input's buffer (aliased): the state is
@@ -77,15 +40,23 @@ def _conv_silu_kernel(*refs, n_inputs: int, block: int):
     ys, state = refs[2 * n_inputs + 1:3 * n_inputs + 1], refs[-1]
     b, program = pl.program_id(0), pl.program_id(1)
     width = xs[0].shape[1]
+    rows = state.shape[1]  # W - 1
     blocks_per_input = width // block
     for i in range(n_inputs):
         @pl.when(program // blocks_per_input == i)
         def _(i=i):
             first = pl.multiple_of((program % blocks_per_input) * block, block)
             channels = pl.ds(first, block)
+            at = lambda r: (pl.ds(b, 1), pl.ds(r, 1), pl.ds(i * width + first, block))
             x = xs[i][pl.ds(b, 1), channels].astype(_F32).reshape(block)
-            y = conv_silu_channels(x, taps[i], state, b, i * width, first, block)
-            ys[i][pl.ds(b, 1), channels] = y.reshape(1, block)
+            past = [state[at(r)].reshape(block) for r in range(rows)]
+            tap = lambda j: pltriton.load(taps[i].at[channels, pl.ds(j, 1)]).reshape(block)
+            y = jnp.zeros((block,), _F32)
+            for j, value in enumerate(past + [x]):
+                y = y + value * tap(j)
+            ys[i][pl.ds(b, 1), channels] = (y / (1.0 + jnp.exp(-y))).reshape(1, block)
+            for r, value in enumerate(past[1:] + [x]):
+                state[at(r)] = value.reshape(1, 1, block)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
@@ -130,5 +101,4 @@ def conv_silu_step(xs: Sequence[Array], taps: Sequence[Array], state: Array, *,
     return _conv_silu_step(xs, taps, state, interpret=interpret)
 
 
-__all__ = ["BLOCK_CHANNELS", "ConvChannels", "conv_silu_channels", "conv_silu_step", "conv_silu_update",
-           "load_conv_channels"]
+__all__ = ["BLOCK_CHANNELS", "conv_silu_step"]

@@ -12,8 +12,8 @@ from k3jax.functional.moe import situ, swiglu
 from k3jax.functional.attn_res import DepthMix
 from k3jax.functional.norms import rms_norm
 from k3jax.layers import basic
-from k3jax.layers.basic import Activated, Projected, RMSNorm, project
-from pallas_kernels.matvec import MAX_ROWS, MatvecBlocks, Product, Prologue, matvecs
+from k3jax.layers.basic import Activated, RMSNorm, project
+from pallas_kernels.matvec import MAX_ROWS, MatvecBlocks, matvecs
 
 # bn = 8 (16 in the dot form), bk = 64: N = 5 is below the block, 20 and 13 are not multiples of
 # it, D = 200 not of bk.
@@ -89,21 +89,18 @@ def _lowering_prologue(name):
             "rms_norm": dict(norm=(jnp.ones((2048,), f32), 1e-6)),
             "situ": dict(act=(situ, jnp.ones((3, 2048), bf16))),
             "read_as_norm": dict(read_as=bf16, norm=(jnp.ones((2048,), bf16), 1e-6)),
-            "add": dict(add=[[jnp.ones((3, 100), f32)], [jnp.ones((3, 16), bf16)] * 2]),
-            "product": dict(add=[[], [Product(jnp.ones((3, 768), bf16), jnp.ones((16, 768), bf16),
-                                              Prologue(act=situ, dtype=jnp.dtype(bf16)), jnp.ones((3, 768), bf16)),
-                                      jnp.ones((3, 16), bf16)]])}[name]
+            "add": dict(add=[[jnp.ones((3, 100), f32)], [jnp.ones((3, 16), bf16)] * 2])}[name]
 
 
 @pytest.mark.parametrize("blocks,prologue", [(MatvecBlocks(), "none"), (MatvecBlocks(bn=16, dot=True), "rms_norm"),
                                              (MatvecBlocks(), "situ"), (MatvecBlocks(bk=512), "read_as_norm"),
-                                             (MatvecBlocks(bn=16, dot=True), "add"), (MatvecBlocks(), "product")])
+                                             (MatvecBlocks(bn=16, dot=True), "add")])
 def test_lowers_for_cuda_through_triton(blocks, prologue):
     """Pallas' Triton lowering of the kernel (masked row and column tiles, two dtypes, each prologue;
-    a whole-row norm wider than bk takes its pass over x first; addends, one made in the kernel), on the CPU."""
+    a whole-row norm wider than bk takes its pass over x first; addends), on the CPU."""
     args = [jax.ShapeDtypeStruct(s, d) for s, d in
             [((3, 2000), jnp.bfloat16), ((100, 2000), jnp.float32), ((16, 2000), jnp.bfloat16)]]
-    if prologue not in ("none", "add", "product"):
+    if prologue not in ("none", "add"):
         args[0] = jax.ShapeDtypeStruct((3, 2048), jnp.float32 if prologue == "read_as_norm" else jnp.bfloat16)
         args[1:] = [jax.ShapeDtypeStruct((n, 2048), d) for _, n, d in ((0, 100, jnp.float32), (0, 16, jnp.bfloat16))]
     kwargs = _lowering_prologue(prologue)
@@ -179,52 +176,6 @@ def test_project_kernel_prologue_equals_xla(name, monkeypatch):
         assert "pallas_call" not in str(jax.make_jaxpr(lambda: project(*args, **kwargs))())
         want = project(*args, **kwargs)[0]
     assert got.shape == want.shape == (1, 1, 20) and got.dtype == want.dtype == jnp.bfloat16
-    np.testing.assert_allclose(np.float32(got), np.float32(want), rtol=1e-2, atol=1e-2)
-
-
-@pytest.mark.parametrize("m", [1, 3])
-def test_product_addend_equals_its_own_call(m):
-    """A ``Product`` addend (SiTU of two inputs, then a 48-wide product) made inside the kernel equals its own
-    matvecs call added as an array, bitwise: the same float32 sums, rounded at the same places; the
-    addends in their order (the product before a residual)."""
-    bf16 = jnp.bfloat16
-    k = jax.random.split(jax.random.key(m), 6)
-    normal = lambda i, shape, scale: (scale * jax.random.normal(k[i], shape)).astype(bf16)
-    x, w, residual = normal(0, (m, 100), 1.0), normal(1, (37, 100), 0.1), normal(2, (m, 37), 4.0)
-    gate, up, w2 = normal(3, (m, 48), 3.0), normal(4, (m, 48), 3.0), normal(5, (37, 48), 0.2)
-    apart = matvecs(gate, [w2], act=(situ, up), x_dtype=bf16, blocks=ROWS)[0]
-    want = matvecs(x, [w], add=[[apart, residual]], blocks=ROWS)[0]
-    product = Product(gate, w2, Prologue(act=situ, dtype=jnp.dtype(bf16)), up)
-    got = matvecs(x, [w], add=[[product, residual]], blocks=ROWS)[0]
-    np.testing.assert_array_equal(np.float32(got), np.float32(want))
-    with pytest.raises(ValueError, match="needs the rows form"):
-        matvecs(x, [w], add=[[product]], blocks=DOT)
-    with pytest.raises(ValueError, match="one Product in all"):
-        matvecs(x, [w, w], add=[[product], [product]])
-    with pytest.raises(ValueError, match="own output dtype float32 must be the output's bfloat16"):
-        matvecs(x, [w], add=[[product._replace(prologue=Prologue(act=situ, dtype=jnp.dtype(jnp.float32)))]])
-    with pytest.raises(ValueError, match="second input must be given exactly with act"):
-        matvecs(x, [w], add=[[product._replace(second=None)]])
-
-
-@pytest.mark.parametrize("in_kernel", [True, False])
-def test_project_makes_a_projected_addend(in_kernel, monkeypatch):
-    """project at one row with a shared expert's down projection as a ``Projected`` addend: with
-    ``PRODUCT_IN_KERNEL`` one matvec kernel (the product in its epilogue), else two; both equal the XLA
-    path (kernel rows 0) to one bf16 ulp, and each other bitwise."""
-    monkeypatch.setattr(basic, "PRODUCT_IN_KERNEL", in_kernel)
-    (shared, [w_down]), _ = _project_site("shared_expert", jax.random.key(1))
-    (x, [w_up]), adds = _project_site("residual_adds", jax.random.key(2))
-    call = lambda: project(x, [w_up], add=(Projected(shared, w_down), adds["add"][0]))[0]
-    with use_implementation("pallas"):
-        assert str(jax.make_jaxpr(call)()).count("pallas_call") == (1 if in_kernel else 2)
-        got = call()
-        monkeypatch.setattr(basic, "PRODUCT_IN_KERNEL", not in_kernel)
-        other = call()
-        monkeypatch.setattr(basic, "MATVEC_KERNEL_ROWS", 0)
-        want = call()
-    np.testing.assert_array_equal(np.float32(got), np.float32(other))
-    assert got.shape == (1, 1, 20) and got.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.float32(got), np.float32(want), rtol=1e-2, atol=1e-2)
 
 

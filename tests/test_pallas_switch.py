@@ -89,26 +89,6 @@ def test_moe_layer_with_packed_experts(tokens):
     assert rel_err(pal, ref) < 5e-3
 
 
-def test_moe_layer_shared_expert_in_the_up_projection(monkeypatch):
-    """At one row with ``PRODUCT_IN_KERNEL`` the shared expert's down projection is made in the latent up
-    projection's matvec kernel: one kernel fewer, the same output bitwise."""
-    from k3jax.layers import basic
-
-    cfg = preset("tiny")
-    layer = MoE(cfg.hidden_size, cfg.moe, activation("situ"), cfg.rms_norm_eps, rngs=nnx.Rngs(3), packed_experts=True)
-    graph, params = nnx.split(layer)
-    x = 3.0 * jax.random.normal(jax.random.key(4), (1, 1, cfg.hidden_size))
-    outs, kernels = {}, {}
-    with use_implementation("pallas"):
-        for in_kernel in (False, True):
-            monkeypatch.setattr(basic, "PRODUCT_IN_KERNEL", in_kernel)
-            fn = lambda params, x: nnx.merge(graph, params)(x)
-            kernels[in_kernel] = str(jax.make_jaxpr(fn)(params, x)).count("pallas_call")
-            outs[in_kernel] = jax.jit(fn)(params, x)
-    assert kernels[True] == kernels[False] - 1
-    assert jnp.array_equal(outs[True], outs[False])
-
-
 def test_moe_layer_tiled_for_prefill(monkeypatch):
     """With the threshold lowered to 1 pair per expert (default 256) a bf16 layer takes its routed experts
     through ``tiled_moe_mx`` (the grouped Mosaic GPU kernel, interpret mode) and matches the reference path

@@ -70,24 +70,18 @@ ACT_PROLOGUE_MAX_WIDTH = 1024
 # Whether ``project``'s kernel path adds its ``add`` arrays in the matvec kernel (else XLA adds after
 # it; a switch for ``benchmarks/decode_variants.py``).
 ADD_IN_KERNEL = True
-# Whether that kernel also makes a ``Projected`` addend itself (a MoE's shared-expert down projection
-# inside its up projection's kernel: one kernel fewer a MoE layer at batch 1), else a matvec kernel of
-# its own makes it first. A candidate (False) until the whole step measures faster:
-# benchmarks/decode_variants.py "shared expert in the up projection".
-PRODUCT_IN_KERNEL = False
 
 
-def _matvec_kernel_fits(x: "Array | DepthMix | Activated", x_dtype, weights: Sequence[Array], dtypes: Sequence) -> bool:
-    """The Pallas path, one row of x (a batch-1 decode step), off TPU, an ``Activated`` no wider than
-    ``ACT_PROLOGUE_MAX_WIDTH``, and operands the kernel reads exactly as the einsums would: each weight in
-    the product's dtype (or the product in float32), and x too unless every product has one dtype (the
-    kernel then rounds x to it)."""
-    if not triton_kernels() or (isinstance(x, Activated) and x.shape[-1] > ACT_PROLOGUE_MAX_WIDTH):
+def _matvec_kernel_fits(rows: int, x_dtype, weights: Sequence[Array], dtypes: Sequence) -> bool:
+    """The Pallas path, one row (a batch-1 decode step), off TPU, and operands the kernel reads
+    exactly as the einsums would: each weight in the product's dtype (or the product in float32),
+    and x too unless every product has one dtype (the kernel then rounds x to it)."""
+    if not triton_kernels():
         return False
     exact = lambda dtype, dt: dtype == dt or dt == jnp.float32
     uniform = len({jnp.dtype(dt) for dt in dtypes}) == 1
-    return 0 < math.prod(x.shape[:-1]) <= MATVEC_KERNEL_ROWS and all(
-        exact(w.dtype, dt) and (uniform or exact(x_dtype, dt)) for w, dt in zip(weights, dtypes))
+    return 0 < rows <= MATVEC_KERNEL_ROWS and all(exact(w.dtype, dt) and (uniform or exact(x_dtype, dt))
+                                                  for w, dt in zip(weights, dtypes))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,51 +103,6 @@ class Activated:
 
     def value(self) -> Array:
         return self.act(self.gate, self.up)
-
-
-@dataclasses.dataclass(frozen=True)
-class Projected:
-    """x @ weight^T [..., N] for x an array or an ``Activated`` [..., F], as ``project(x, [weight])`` makes
-    it: an addend of ``project``, whose matvec kernel can make it in its epilogue (``PRODUCT_IN_KERNEL``)
-    instead of a kernel of its own before it."""
-
-    x: "Array | Activated"
-    weight: Array
-
-    def value(self) -> Array:
-        return project(self.x, [self.weight])[0]
-
-
-def _value(a: "Array | Projected") -> Array:
-    return a.value() if isinstance(a, Projected) else a
-
-
-def _kernel_addends(add: Sequence["Array | Projected"], rows: int, out_dtype) -> list | None:
-    """project's addends as its matvec kernel adds them: arrays [rows, N], and each ``Projected`` as the
-    kernel's own ``Product`` where it can make one (``PRODUCT_IN_KERNEL``; the product's own ``project``
-    would take the kernel), else made first; None where the kernel adds none (``ADD_IN_KERNEL`` off, or
-    an addend in another dtype than the output's)."""
-    dtype_of = lambda a: _input_dtype(a.x, None) if isinstance(a, Projected) else a.dtype
-    if not ADD_IN_KERNEL or any(jnp.dtype(dtype_of(a)) != jnp.dtype(out_dtype) for a in add):
-        return None
-    made = []
-    for a in add:
-        product = _kernel_product(a, rows) if isinstance(a, Projected) else None
-        made.append(_value(a).reshape(rows, -1) if product is None else product)
-    return made
-
-
-def _kernel_product(p: Projected, rows: int):
-    """The matvec kernel's ``Product`` for a ``Projected`` addend, or None where it is made apart."""
-    x_dtype = _input_dtype(p.x, None)
-    if not (PRODUCT_IN_KERNEL and math.prod(p.x.shape[:-1]) == rows
-            and _matvec_kernel_fits(p.x, x_dtype, [p.weight], [x_dtype])):
-        return None
-    from pallas_kernels.matvec import Product, Prologue
-
-    x_rows, kwargs = _prologue_kwargs(p.x, None, None, [x_dtype])
-    fn, second = kwargs.get("act", (None, None))
-    return Product(x_rows, p.weight, Prologue(act=fn, dtype=jnp.dtype(kwargs["x_dtype"])), second)
 
 
 def materialize(x: "Array | DepthMix") -> Array:
@@ -196,14 +145,13 @@ def _prologue_kwargs(x: "Array | Activated", norm: "RMSNorm | None", read_as, dt
 
 
 def project(x: "Array | DepthMix | Activated", weights: Sequence[Array], dtypes: Sequence | None = None,
-            norm: "RMSNorm | None" = None, *, read_as=None, add: Sequence["Array | Projected"] = ()) -> list[Array]:
+            norm: "RMSNorm | None" = None, *, read_as=None, add: Sequence[Array] = ()) -> list[Array]:
     """x [..., D] times each weight [N_i, D]^T, as ``einsum(x.astype(dt), w.astype(dt))`` with dt =
     dtypes[i] (default x's dtype as prepared below; float32 sums): what ``Linear`` computes, or the
     router's float32 logits. x is prepared first, in this order: a Block AttnRes ``DepthMix`` is
     mixed; x (an ``Activated``'s two inputs) rounded to ``read_as``; an ``Activated`` applied;
     RMS-normed by ``norm``. ``add`` (with one weight only): arrays [..., N] added to the output in
-    turn, each sum rounded to the output's dtype (a residual, a shared expert's output), or
-    ``Projected`` addends, made first (or by the matvec kernel itself: ``PRODUCT_IN_KERNEL``).
+    turn, each sum rounded to the output's dtype (a residual, a shared expert's output).
 
     The maps that read one input (a layer's projections) go together so that, on the Pallas path
     for one row (batch-1 decode) off TPU, one kernel computes them all, x's preparation included
@@ -216,7 +164,8 @@ def project(x: "Array | DepthMix | Activated", weights: Sequence[Array], dtypes:
         raise ValueError(f"project: add needs exactly one weight, got {len(weights)}")
     x_dtype = _input_dtype(x, read_as)
     dtypes = [x_dtype] * len(weights) if dtypes is None else list(dtypes)
-    kernel = _matvec_kernel_fits(x, x_dtype, weights, dtypes)
+    kernel = _matvec_kernel_fits(math.prod(x.shape[:-1]), x_dtype, weights, dtypes) and not (
+        isinstance(x, Activated) and x.shape[-1] > ACT_PROLOGUE_MAX_WIDTH)
     if isinstance(x, DepthMix):
         x, norm = _mixed(x, norm, kernel)
     if kernel:
@@ -224,10 +173,10 @@ def project(x: "Array | DepthMix | Activated", weights: Sequence[Array], dtypes:
 
         lead = x.shape[:-1]
         rows, kwargs = _prologue_kwargs(x, norm, read_as, dtypes)
-        addends = _kernel_addends(add, rows.shape[0], dtypes[0]) if add else None
-        adds = None if addends is None else [addends]
-        outs = [y.reshape(*lead, y.shape[-1]) for y in matvecs(rows, list(weights), dtypes, add=adds, **kwargs)]
-        return [add_rounded(outs[0], add)] if add and addends is None else outs
+        fused = ADD_IN_KERNEL and all(jnp.dtype(a.dtype) == jnp.dtype(dtypes[0]) for a in add)
+        flat_adds = [[a.reshape(rows.shape[0], -1) for a in add]] if fused and add else None
+        outs = [y.reshape(*lead, y.shape[-1]) for y in matvecs(rows, list(weights), dtypes, add=flat_adds, **kwargs)]
+        return [add_rounded(outs[0], add)] if add and not fused else outs
     if read_as is not None:
         x = x.astype(read_as) if not isinstance(x, Activated) else Activated(
             x.act, *(a.astype(read_as) for a in (x.gate, x.up)))
@@ -239,10 +188,10 @@ def project(x: "Array | DepthMix | Activated", weights: Sequence[Array], dtypes:
     return [add_rounded(outs[0], add)] if add else outs
 
 
-def add_rounded(y: Array, add: Sequence["Array | Projected"]) -> Array:
-    """y plus each of ``add`` in turn (a ``Projected`` made first), each sum rounded to y's dtype."""
+def add_rounded(y: Array, add: Sequence[Array]) -> Array:
+    """y plus each of ``add`` in turn, each sum rounded to y's dtype."""
     for a in add:
-        y = (y + _value(a)).astype(y.dtype)
+        y = (y + a).astype(y.dtype)
     return y
 
 

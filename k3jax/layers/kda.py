@@ -79,25 +79,6 @@ def _short_convs(xs, taps, state, lengths):
     return _short_convs_xla(xs, taps, state, lengths)
 
 
-# A decode step (T = 1, no padding, bounded gate) on the Pallas path off TPU runs the convs, z, the
-# recurrent step and the gated output norm as one kernel (``pallas_kernels.kda.decode_core``) instead of
-# four. A candidate (False) until the whole step measures faster: benchmarks/decode_variants.py
-# "one-kernel KDA decode core". Read while tracing.
-DECODE_CORE_KERNEL = False
-
-
-def _decode_core(q, k, v, taps, state, f_a, f_b, beta_logits, gate, a_log, dt_bias, norm_weight, eps, lower_bound,
-                 out_dtype):
-    """``pallas_kernels.kda.decode_core`` on one token: q, k, v, f_a, beta_logits, gate [B, 1, .]. Returns
-    (o [B, 1, H V] in out_dtype, KDAState)."""
-    from pallas_kernels.kda.decode_core import decode_core
-
-    o, conv, rec = decode_core(q[:, 0], k[:, 0], v[:, 0], taps, state.conv, f_a[:, 0], f_b, beta_logits[:, 0],
-                               gate[:, 0], a_log, dt_bias, norm_weight, state.recurrent, eps=eps,
-                               lower_bound=lower_bound, out_dtype=out_dtype)
-    return o[:, None], KDAState(conv, rec)
-
-
 class ShortConv(nnx.Module):
     """A causal depthwise conv's weight over W taps, [F, 1, W] float32 as released. The KDA layer runs
     its three (q, k, v) as one conv over the channels side by side (``causal_conv``)."""
@@ -151,17 +132,10 @@ class KDA(nnx.Module):
         maps = (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj, gate_in)
         q, k, v, f_a, beta_logits, gate = project(x, [m.weight[...] for m in maps], norm=norm)
         taps = [c.weight[...][:, 0] for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)]
-        a_log, dt_bias = self.A_log[...], self.dt_bias[...].reshape(H, K)
-        gate = gate if hasattr(self, "g_proj") else self.g_b_proj(gate)
-        add = () if residual is None else (residual,)
-        if T == 1 and valid is None and self.lower_bound is not None and triton_kernels() and DECODE_CORE_KERNEL:
-            f_b = self.f_b_proj.weight[...].astype(f_a.dtype)  # as Linear casts it
-            o, new_state = _decode_core(q, k, v, tuple(taps), state, f_a, f_b, beta_logits, gate, a_log, dt_bias,
-                                        self.o_norm.weight[...], self.eps, self.lower_bound, x.dtype)
-            return project(o, [self.o_proj.weight[...]], add=add)[0], new_state
         *qkv, conv = _short_convs((q, k, v), taps, state.conv, lengths)
         q, k, v = (heads(a) for a in qkv)
         z = heads(self.f_b_proj(f_a))
+        a_log, dt_bias = self.A_log[...], self.dt_bias[...].reshape(H, K)
         if self.lower_bound is not None and get_implementation() == "pallas":
             if valid is not None:  # padding neither decays nor writes the state: g = 0, beta = 0
                 z = jnp.where(valid[:, :, None, None], z, -jnp.inf)
@@ -169,7 +143,9 @@ class KDA(nnx.Module):
             o, rec = _kda_core_fused(q, k, v, z, a_log, dt_bias, beta_logits, state.recurrent, self.lower_bound)
         else:
             o, rec = self._gates_then_core(q, k, v, z, a_log, dt_bias, beta_logits, state.recurrent, valid)
+        gate = gate if hasattr(self, "g_proj") else self.g_b_proj(gate)
         o = gated_rms_norm(o, heads(gate), self.o_norm.weight[...], self.eps).astype(x.dtype)
+        add = () if residual is None else (residual,)
         return project(o.reshape(B, T, H * K), [self.o_proj.weight[...]], add=add)[0], KDAState(conv, rec)
 
     def _gates_then_core(self, q, k, v, z, a_log, dt_bias, beta_logits, state, valid):

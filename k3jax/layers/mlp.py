@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.functional.moe import Activation, situ, swiglu
-from k3jax.layers.basic import Activated, Linear, Projected, RMSNorm, Rngs, project
+from k3jax.layers.basic import Activated, Linear, RMSNorm, Rngs, project
 from k3jax.typing import Array
 
 
@@ -40,10 +40,6 @@ class DenseMLP(nnx.Module):
         (on its kernel path, act inside the matvec kernel up to ``ACT_PROLOGUE_MAX_WIDTH``), plus
         ``add`` (project's epilogue)."""
         return project(Activated(self.act, gate, up), [self.down_proj.weight[...]], add=add)[0]
-
-    def down_addend(self, gate: Array, up: Array) -> Projected:
-        """``down(gate, up)`` as an addend of another ``project``, which may make it in its own kernel."""
-        return Projected(Activated(self.act, gate, up), self.down_proj.weight[...])
 
 
 __all__ = ["DenseMLP", "activation"]

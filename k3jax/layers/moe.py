@@ -164,8 +164,7 @@ class MoE(nnx.Module):
                 renormalize=cfg.renormalize, scaling_factor=cfg.routed_scaling_factor, out_dtype=fused_out)
         else:
             y = self._routed(z, w1, w3, w2, *self._select(logits), mesh, fused, fused_out)
-        # the shared experts' down projection, which the up projection's kernel may make itself
-        add = [self.shared_experts.down_addend(*shared)] if cfg.num_shared_experts else []
+        add = [self.shared_experts.down(*shared)] if cfg.num_shared_experts else []
         add += [] if residual is None else [residual.reshape(B * T, D)]
         if cfg.latent_size:
             norm = self.routed_expert_norm if cfg.latent_norm else None
