@@ -17,8 +17,9 @@ vector. One jitted call, with the decode step's command-buffer options. Forms:
 - warm: one weight for every stage (read from L2 where L2 keeps it);
 - prefetch P: cold, and at each stage's start a kernel of P programs reads the stage's weight (summing
   it, so that the reads stay) beside the gap; the matvec waits for it (an optimization barrier).
-Times: the best of 5 rounds, each a median of 20 calls; us per stage, and the matvec's share (the
-form's time less the gap-only time). The prefetch forms must give the cold form's output bitwise, and
+Times: the best of 5 rounds, each a median of 20 calls; us per stage (a whole call's time over the
+stages, so it holds a share of the call's fixed host cost), and the matvec's share (the form's time less
+the gap-only time, which takes that cost out). The prefetch forms must give the cold form's output bitwise, and
 the cold form XLA's einsum chain to float32 summation order.
 """
 
@@ -134,7 +135,7 @@ def main() -> None:
     print("\nform | us per stage | matvec's share, us | TB/s of the weight in that share")
     for name, seconds in best.items():
         per, share = seconds / args.stages * 1e6, (seconds - gap) / args.stages * 1e6
-        rate = f"{megabytes / share / 1e6:.2f}" if name != "gap only" and share > 0 else "-"
+        rate = f"{megabytes / share:.2f}" if name != "gap only" and share > 0 else "-"  # MB per us
         print(f"{name} | {per:.1f} | {share:.1f} | {rate}")
 
 

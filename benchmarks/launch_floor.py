@@ -1,7 +1,7 @@
 """What one kernel of a decode step costs when it does almost nothing: a chain of dependent tiny kernels
 in one jitted call, timed at two chain lengths, so the difference per extra kernel is the fixed cost
-that each of the ~190 kernels of `mini`'s batch-1 step pays (issue 4: the step's floor ratio moves
-only with fewer or longer kernels, benchmarks/RESULTS.md).
+that each kernel on the critical path of `mini`'s batch-1 step pays (issue 4: in XLA's concurrent
+command buffer, kernels beside that path cost nothing; benchmarks/RESULTS.md, eighteenth session).
 
     python3 benchmarks/launch_floor.py [--lengths 50,150] [--width 2048]   (a CPU runs it in interpret
                                                                            mode, for a check only)
