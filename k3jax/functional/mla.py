@@ -66,15 +66,32 @@ def absorbed_attention(
     rounded to the cache's dtype (bf16 caches run on the matrix units), scores, softmax and
     accumulation are float32. Returns [B, T, H, V] f32.
     """
-    H, N = q_nope.shape[2], q_nope.shape[3]
     dtype = c_kv.dtype
-    w = kv_b.reshape(H, -1, kv_b.shape[-1])  # [H, N+V, R]
-    w_uk, w_uv = w[:, :N], w[:, N:]
-    q_lat = _matmul("bthn,hnr->bthr", q_nope, w_uk, dtype)
+    q_lat = absorbed_query(q_nope, kv_b, dtype)
     scores = _matmul("bthr,bsr->bhts", q_lat, c_kv, dtype) + _matmul("bthp,bsp->bhts", q_pe, k_pe, dtype)
     probs = jax.nn.softmax(jnp.where(visible[:, None], scores * scale, -jnp.inf), axis=-1)
     o_lat = _matmul("bhts,bsr->bthr", probs, c_kv, dtype)
+    return absorbed_output(o_lat, kv_b, q_nope.shape[3], dtype)
+
+
+def _absorbed_weights(kv_b: Array, heads: int, nope_dim: int) -> tuple[Array, Array]:
+    """kv_b [H*(N+V), R] -> W_UK [H, N, R], W_UV [H, V, R]."""
+    w = kv_b.reshape(heads, -1, kv_b.shape[-1])
+    return w[:, :nope_dim], w[:, nope_dim:]
+
+
+def absorbed_query(q_nope: Array, kv_b: Array, dtype) -> Array:
+    """q_nope [B, T, H, N] -> q_lat = q_nope W_UK [B, T, H, R] float32 (operands rounded to ``dtype``)."""
+    w_uk, _ = _absorbed_weights(kv_b, q_nope.shape[2], q_nope.shape[3])
+    return _matmul("bthn,hnr->bthr", q_nope, w_uk, dtype)
+
+
+def absorbed_output(o_lat: Array, kv_b: Array, nope_dim: int, dtype) -> Array:
+    """The attention's latent output o_lat [B, T, H, R] -> o_lat W_UV [B, T, H, V] float32 (operands
+    rounded to ``dtype``)."""
+    _, w_uv = _absorbed_weights(kv_b, o_lat.shape[2], nope_dim)
     return _matmul("bthr,hvr->bthv", o_lat, w_uv, dtype)
 
 
-__all__ = ["causal_attention", "mla_expand", "mla_keys_values", "absorbed_attention"]
+__all__ = ["absorbed_attention", "absorbed_output", "absorbed_query", "causal_attention", "mla_expand",
+           "mla_keys_values"]

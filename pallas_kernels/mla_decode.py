@@ -1,0 +1,158 @@
+"""A decode step's MLA attention over the latent cache in one pass (split over the keys).
+
+In the absorbed form (``k3jax.functional.mla.absorbed_attention``) a decode token's query, absorbed into
+the latent (q_lat [H, R] = q_nope W_UK), scores every cached latent and rope key, then weighs the latents:
+
+    s[h, t] = q_lat[h] . c_kv[t] + q_pe[h] . k_pe[t]    (t < length),   o_lat[h] = softmax(scale s[h]) . c_kv
+
+XLA runs it as about ten small kernels that read the cache twice (scores, then the weighted sum) and write
+the scores between them. ``latent_attention`` reads each cache row once, for every head at once (the
+latent is shared by the heads): program (sequence b, split j) walks its share of the keys in blocks of
+``block`` rows with an online softmax (FlashAttention-2's loop, in base 2), keeping the float32 [H, R]
+sum and each head's running maximum and total; ``combine_splits`` merges the splits' partial results.
+Products run on the matrix units in the cache's dtype (q_lat and the unnormalized probabilities are
+rounded to it) with float32 accumulation; scores and softmax are float32. The splits give a long cache
+(K3's million tokens) many programs; a short one few.
+
+A candidate of issue 4 (``k3jax.layers.mla.DECODE_ATTENTION_KERNEL``), timed by
+``benchmarks/decode_variants.py``. Pallas' Triton lowering on GPUs (head count, R and P padded or powers of
+two from 16: Triton's dot), interpret mode on CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from k3jax.implementation import pallas_interpret
+from k3jax.typing import Array
+from pallas_kernels._triton import triton_params
+
+_F32 = jnp.float32
+_MIN_DOT = 16  # Triton's smallest dot dimension
+BLOCK = 64  # cache rows per loop step
+TARGET_PROGRAMS = 128  # splits are chosen so that batch x splits reaches about this many programs
+
+
+def _dot_width(n: int) -> bool:
+    return n >= _MIN_DOT and not n & (n - 1)
+
+
+def latent_attention_runs(num_heads: int, latent: int, rope: int) -> bool:
+    """Whether the kernel takes these widths off interpret mode: R and P powers of two from 16 (the heads
+    are padded inside, the cache is not)."""
+    del num_heads
+    return _dot_width(latent) and _dot_width(rope)
+
+
+def _kernel(lengths_ref, q_ref, qp_ref, c_ref, kp_ref, acc_ref, m_ref, l_ref, *, scale: float, keys: int,
+            per_split: int, block: int):
+    """Refs: lengths [B] int32; q_lat [Hp, R], q_pe [Hp, P] (sequence b's); c_kv [B, S, R], k_pe [B, S, P]
+    (whole; rows from ``keys`` on are never read); out: acc [Hp, R] float32, running maximum m and total l
+    [Hp] (base-2 units) of split j."""
+    b, j = pl.program_id(0), pl.program_id(1)
+    start = j * per_split
+    end = jnp.minimum(jnp.minimum(lengths_ref[b], keys), start + per_split)
+    dtype = c_ref.dtype
+    q, qp = q_ref[...].astype(dtype), qp_ref[...].astype(dtype)
+    log2_scale = scale * math.log2(math.e)
+
+    def rows(ref, row0, width):
+        valid = row0 + jax.lax.broadcasted_iota(jnp.int32, (block, width), 0) < end
+        tile = pltriton.load(ref.at[pl.ds(b, 1), pl.ds(row0, block), pl.ds(0, width)], mask=valid[None], other=0)
+        return tile.reshape(block, width)
+
+    def step(i, carry):
+        acc, m, l = carry
+        row0 = start + i * block
+        c, kp = rows(c_ref, row0, c_ref.shape[2]), rows(kp_ref, row0, kp_ref.shape[2])
+        s = (jnp.dot(q, c.T, preferred_element_type=_F32) + jnp.dot(qp, kp.T, preferred_element_type=_F32)) * log2_scale
+        key = row0 + jax.lax.broadcasted_iota(jnp.int32, (1, block), 1)
+        s = jnp.where(key < end, s, -jnp.inf)
+        m_next = jnp.maximum(m, jnp.max(s, axis=1))  # finite: every step holds a visible key
+        p = jnp.exp2(s - m_next[:, None])
+        correction = jnp.exp2(m - m_next)
+        acc = acc * correction[:, None] + jnp.dot(p.astype(dtype), c, preferred_element_type=_F32)
+        return acc, m_next, l * correction + jnp.sum(p, axis=1)
+
+    heads, width = acc_ref.shape
+    carry = (jnp.zeros((heads, width), _F32), jnp.full((heads,), -jnp.inf, _F32), jnp.zeros((heads,), _F32))
+    steps = jax.lax.div(jnp.maximum(end - start, 0) + block - 1, block)
+    acc_ref[...], m_ref[...], l_ref[...] = jax.lax.fori_loop(0, steps, step, carry)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "keys", "splits", "block", "warps", "interpret"))
+def _latent_attention(q_lat, q_pe, c_kv, k_pe, lengths, *, scale: float, keys: int, splits: int, block: int,
+                      warps: int, interpret: bool):
+    B, Hp, R = q_lat.shape
+    P = k_pe.shape[2]
+    per_split = pl.cdiv(pl.cdiv(keys, splits), block) * block
+    query = lambda d: pl.BlockSpec((None, Hp, d), lambda b, j: (b, 0, 0))
+    whole = pl.BlockSpec()
+    return pl.pallas_call(
+        functools.partial(_kernel, scale=scale, keys=keys, per_split=per_split, block=block),
+        out_shape=(jax.ShapeDtypeStruct((B, splits, Hp, R), _F32), jax.ShapeDtypeStruct((B, splits, Hp), _F32),
+                   jax.ShapeDtypeStruct((B, splits, Hp), _F32)),
+        grid=(B, splits),
+        in_specs=[whole, query(R), query(P), whole, whole],
+        out_specs=(pl.BlockSpec((None, None, Hp, R), lambda b, j: (b, j, 0, 0)),
+                   pl.BlockSpec((None, None, Hp), lambda b, j: (b, j, 0)),
+                   pl.BlockSpec((None, None, Hp), lambda b, j: (b, j, 0))),
+        compiler_params=triton_params(warps, 2, interpret),
+        interpret=interpret,
+        name="latent_attention",
+    )(lengths, q_lat, q_pe, c_kv, k_pe)
+
+
+def combine_splits(acc: Array, m: Array, l: Array) -> Array:
+    """The splits' partial sums acc [B, J, H, R], maxima m and totals l [B, J, H] (base 2) -> the
+    normalized attention output [B, H, R] float32. A split with no visible key (m = -inf) weighs 0."""
+    top = jnp.max(m, axis=1, keepdims=True)
+    weight = jnp.where(jnp.isneginf(m), 0.0, jnp.exp2(m - top))
+    return jnp.sum(weight[..., None] * acc, axis=1) / jnp.sum(weight * l, axis=1)[..., None]
+
+
+def default_splits(batch: int, keys: int, block: int = BLOCK) -> int:
+    """Splits per sequence: about ``TARGET_PROGRAMS`` programs in all, at least one block of keys each."""
+    return max(1, min(pl.cdiv(keys, block), pl.cdiv(TARGET_PROGRAMS, batch)))
+
+
+def latent_attention(q_lat: Array, q_pe: Array, c_kv: Array, k_pe: Array, lengths: Array, scale: float, *,
+                     window: int | None = None, splits: int | None = None, block: int = BLOCK, warps: int = 4,
+                     interpret: bool | None = None) -> Array:
+    """One query per sequence: q_lat [B, H, R] (q_nope absorbed through W_UK), q_pe [B, H, P], the cache's
+    c_kv [B, S, R] (after kv_a_layernorm) and k_pe [B, S, P], lengths [B] (sequence b sees cache rows
+    t < lengths[b]; at least 1) -> o_lat [B, H, R] float32 (before W_UV). Products in c_kv's dtype.
+    ``window`` (static): only the first ``window`` rows are read (the cache is not sliced, so not copied);
+    None reads all S. ``splits`` (default ``default_splits``) divides each sequence's keys between
+    programs; ``block``: cache rows per step (a power of two from 16)."""
+    B, H, R = q_lat.shape
+    S, P = c_kv.shape[1], k_pe.shape[-1]
+    expected = {"q_pe": (q_pe.shape, (B, H, P)), "c_kv": (c_kv.shape, (B, S, R)), "k_pe": (k_pe.shape, (B, S, P)),
+                "lengths": (lengths.shape, (B,))}
+    wrong = {name: got for name, (got, want) in expected.items() if tuple(got) != want}
+    if wrong:
+        raise ValueError(f"latent_attention: shapes disagree with q_lat [B, H, R] = {list(q_lat.shape)}, c_kv's "
+                         f"S = {S} and k_pe's P = {P}: {wrong}")
+    keys = S if window is None else min(window, S)
+    if keys < 1 or not _dot_width(block):
+        raise ValueError(f"latent_attention: needs cache rows to read (S = {S}, window = {window}) and a block "
+                         f"that is a power of two >= {_MIN_DOT} (got {block})")
+    interpret = pallas_interpret() if interpret is None else interpret
+    if not interpret and not latent_attention_runs(H, R, P):
+        raise ValueError(f"latent_attention: R = {R} and P = {P} must be powers of two >= {_MIN_DOT} on a GPU")
+    splits = default_splits(B, keys, block) if splits is None else splits
+    Hp = H if interpret or _dot_width(H) else max(_MIN_DOT, pl.next_power_of_2(H))
+    pad = lambda a: jnp.pad(a, ((0, 0), (0, Hp - H), (0, 0))) if Hp > H else a
+    acc, m, l = _latent_attention(pad(q_lat), pad(q_pe), c_kv, k_pe, lengths.astype(jnp.int32), scale=float(scale),
+                                  keys=keys, splits=int(splits), block=block, warps=warps, interpret=bool(interpret))
+    return combine_splits(acc, m, l)[:, :H]
+
+
+__all__ = ["BLOCK", "TARGET_PROGRAMS", "combine_splits", "default_splits", "latent_attention",
+           "latent_attention_runs"]
