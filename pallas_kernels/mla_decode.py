@@ -7,9 +7,10 @@ the latent (q_lat [H, R] = q_nope W_UK), scores every cached latent and rope key
 
 XLA runs it as about ten small kernels that read the cache twice (scores, then the weighted sum) and write
 the scores between them. ``latent_attention`` reads each cache row once, for every head at once (the
-latent is shared by the heads): program (sequence b, split j) walks its share of the keys in blocks of
-``block`` rows with an online softmax (FlashAttention-2's loop, in base 2), keeping the float32 [H, R]
-sum and each head's running maximum and total; ``combine_splits`` merges the splits' partial results.
+latent is shared by the heads): program (sequence b, group g of up to 32 heads, split j) walks its share
+of the keys in blocks of ``block`` rows with an online softmax (FlashAttention-2's loop, in base 2),
+keeping the float32 [heads, R] sum and each head's running maximum and total; ``combine_splits`` merges
+the splits' partial results.
 Products run on the matrix units in the cache's dtype (q_lat and the unnormalized probabilities are
 rounded to it) with float32 accumulation; scores and softmax are float32. The splits give a long cache
 (K3's million tokens) many programs; a short one few.
@@ -36,6 +37,7 @@ from pallas_kernels._triton import triton_params
 _F32 = jnp.float32
 _MIN_DOT = 16  # Triton's smallest dot dimension
 BLOCK = 64  # cache rows per loop step
+HEAD_BLOCK = 32  # heads per program at most: a float32 [32, 512] sum is 128 registers a thread at 4 warps
 TARGET_PROGRAMS = 128  # splits are chosen so that batch x splits reaches about this many programs
 
 
@@ -43,19 +45,23 @@ def _dot_width(n: int) -> bool:
     return n >= _MIN_DOT and not n & (n - 1)
 
 
-def latent_attention_runs(num_heads: int, latent: int, rope: int) -> bool:
+def latent_attention_runs(latent: int, rope: int) -> bool:
     """Whether the kernel takes these widths off interpret mode: R and P powers of two from 16 (the heads
     are padded inside, the cache is not)."""
-    del num_heads
     return _dot_width(latent) and _dot_width(rope)
+
+
+def _head_block(heads: int) -> int:
+    """Heads per program: a power of two from 16 (Triton's dot) up to ``HEAD_BLOCK``."""
+    return min(HEAD_BLOCK, max(_MIN_DOT, pl.next_power_of_2(heads)))
 
 
 def _kernel(lengths_ref, q_ref, qp_ref, c_ref, kp_ref, acc_ref, m_ref, l_ref, *, scale: float, keys: int,
             per_split: int, block: int):
-    """Refs: lengths [B] int32; q_lat [Hp, R], q_pe [Hp, P] (sequence b's); c_kv [B, S, R], k_pe [B, S, P]
-    (whole; rows from ``keys`` on are never read); out: acc [Hp, R] float32, running maximum m and total l
-    [Hp] (base-2 units) of split j."""
-    b, j = pl.program_id(0), pl.program_id(1)
+    """Refs: lengths [B] int32; q_lat [hb, R], q_pe [hb, P] (sequence b's head group g); c_kv [B, S, R],
+    k_pe [B, S, P] (whole; rows from ``keys`` on are never read); out: acc [hb, R] float32, running maximum
+    m and total l [hb] (base-2 units) of split j."""
+    b, j = pl.program_id(0), pl.program_id(2)
     start = j * per_split
     end = jnp.minimum(jnp.minimum(lengths_ref[b], keys), start + per_split)
     dtype = c_ref.dtype
@@ -91,18 +97,18 @@ def _latent_attention(q_lat, q_pe, c_kv, k_pe, lengths, *, scale: float, keys: i
                       warps: int, interpret: bool):
     B, Hp, R = q_lat.shape
     P = k_pe.shape[2]
+    hb = _head_block(Hp)
     per_split = pl.cdiv(pl.cdiv(keys, splits), block) * block
-    query = lambda d: pl.BlockSpec((None, Hp, d), lambda b, j: (b, 0, 0))
+    query = lambda d: pl.BlockSpec((None, hb, d), lambda b, g, j: (b, g, 0))
+    per_split_out = lambda *d: pl.BlockSpec((None, None, hb, *d), lambda b, g, j: (b, j, g, *(0 for _ in d)))
     whole = pl.BlockSpec()
     return pl.pallas_call(
         functools.partial(_kernel, scale=scale, keys=keys, per_split=per_split, block=block),
         out_shape=(jax.ShapeDtypeStruct((B, splits, Hp, R), _F32), jax.ShapeDtypeStruct((B, splits, Hp), _F32),
                    jax.ShapeDtypeStruct((B, splits, Hp), _F32)),
-        grid=(B, splits),
+        grid=(B, Hp // hb, splits),
         in_specs=[whole, query(R), query(P), whole, whole],
-        out_specs=(pl.BlockSpec((None, None, Hp, R), lambda b, j: (b, j, 0, 0)),
-                   pl.BlockSpec((None, None, Hp), lambda b, j: (b, j, 0)),
-                   pl.BlockSpec((None, None, Hp), lambda b, j: (b, j, 0))),
+        out_specs=(per_split_out(R), per_split_out(), per_split_out()),
         compiler_params=triton_params(warps, 2, interpret),
         interpret=interpret,
         name="latent_attention",
@@ -144,15 +150,15 @@ def latent_attention(q_lat: Array, q_pe: Array, c_kv: Array, k_pe: Array, length
         raise ValueError(f"latent_attention: needs cache rows to read (S = {S}, window = {window}) and a block "
                          f"that is a power of two >= {_MIN_DOT} (got {block})")
     interpret = pallas_interpret() if interpret is None else interpret
-    if not interpret and not latent_attention_runs(H, R, P):
+    if not interpret and not latent_attention_runs(R, P):
         raise ValueError(f"latent_attention: R = {R} and P = {P} must be powers of two >= {_MIN_DOT} on a GPU")
     splits = default_splits(B, keys, block) if splits is None else splits
-    Hp = H if interpret or _dot_width(H) else max(_MIN_DOT, pl.next_power_of_2(H))
+    Hp = pl.cdiv(H, _head_block(H)) * _head_block(H)
     pad = lambda a: jnp.pad(a, ((0, 0), (0, Hp - H), (0, 0))) if Hp > H else a
     acc, m, l = _latent_attention(pad(q_lat), pad(q_pe), c_kv, k_pe, lengths.astype(jnp.int32), scale=float(scale),
                                   keys=keys, splits=int(splits), block=block, warps=warps, interpret=bool(interpret))
     return combine_splits(acc, m, l)[:, :H]
 
 
-__all__ = ["BLOCK", "TARGET_PROGRAMS", "combine_splits", "default_splits", "latent_attention",
+__all__ = ["BLOCK", "HEAD_BLOCK", "TARGET_PROGRAMS", "combine_splits", "default_splits", "latent_attention",
            "latent_attention_runs"]

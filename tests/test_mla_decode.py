@@ -42,6 +42,16 @@ def test_matches_softmax_attention(splits):
     assert rel_err(out, _numpy_attention(q_lat, q_pe, c_kv, k_pe, LENGTHS, 0.3)) < 1e-5
 
 
+def test_head_groups():
+    """40 heads: two programs of 32 heads per (sequence, split), the second half padding."""
+    keys = jax.random.split(jax.random.key(5), 4)
+    q_lat, q_pe = jax.random.normal(keys[0], (B, 40, R)), jax.random.normal(keys[1], (B, 40, P))
+    c_kv, k_pe = jax.random.normal(keys[2], (B, S, R)), jax.random.normal(keys[3], (B, S, P))
+    out = _attend(q_lat, q_pe, c_kv, k_pe, jnp.asarray(LENGTHS), 0.3, splits=2, block=16)
+    assert out.shape == (B, 40, R)
+    assert rel_err(out, _numpy_attention(q_lat, q_pe, c_kv, k_pe, LENGTHS, 0.3)) < 1e-5
+
+
 def test_bf16_cache_within_bf16_rounding():
     """A bf16 cache: products in bf16 (q_lat and the probabilities rounded), sums in float32."""
     q_lat, q_pe, c_kv, k_pe = _inputs(jnp.bfloat16, seed=1)
@@ -94,9 +104,10 @@ def test_mla_decode_steps_with_the_kernel_equal_the_expanded_form(monkeypatch):
 
 
 def test_lowers_for_cuda_through_triton():
-    """Pallas' Triton lowering at `mini`'s widths (16 heads, R 512, P 64) over 200 cache rows, on the CPU."""
+    """Pallas' Triton lowering at K3's widths (96 heads: three programs of 32; R 512, P 64) over 200 cache
+    rows, on the CPU."""
     f = lambda q, qp, c, kp, n: latent_attention(q, qp, c, kp, n, 0.07, interpret=False)
-    args = [jax.ShapeDtypeStruct(s, d) for s, d in [((1, 16, 512), jnp.float32), ((1, 16, 64), jnp.bfloat16),
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in [((1, 96, 512), jnp.float32), ((1, 96, 64), jnp.bfloat16),
                                                     ((1, 200, 512), jnp.bfloat16), ((1, 200, 64), jnp.bfloat16),
                                                     ((1,), jnp.int32)]]
     assert "xla.gpu.triton" in jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

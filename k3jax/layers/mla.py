@@ -153,7 +153,7 @@ class MLA(nnx.Module):
 
         cfg = self.cfg
         return DECODE_ATTENTION_KERNEL and triton_kernels() and (pallas_interpret() or latent_attention_runs(
-            cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim))
+            cfg.kv_lora_rank, cfg.qk_rope_head_dim))
 
     def _latent_attention(self, q: Array, cache: MLACache, window: int | None, positions: Array) -> Array:
         """One query a sequence, q [B, 1, H, nope + rope] at positions [B], over the cache's first ``window``
