@@ -191,10 +191,12 @@ SPLIT_MOE_DOWN_BLOCKS_ONE_TOKEN = MXBlocks(bm=1, bn=1, bk=256, num_warps=2, num_
 SPLIT_MIN_TOKENS = 1  # tokens from which the MoE layer takes these two kernels over the one-kernel MoE
 
 
-def _fit(w1: MXTensor, tokens: int, blocks: MXBlocks, down_blocks: MXBlocks | None) -> tuple[MXBlocks, MXBlocks]:
-    """The tiles shrunk to fit w1's F and R (see ``fused_moe_mx_split``); the down tiles by the token count
-    when not given."""
+def _fit(w1: MXTensor, tokens: int, blocks: MXBlocks | None, down_blocks: MXBlocks | None
+         ) -> tuple[MXBlocks, MXBlocks]:
+    """The tiles shrunk to fit w1's F and R (see ``fused_moe_mx_split``); where not given, the module's
+    defaults as they are at the call (so a benchmark can switch them), the down tiles by the token count."""
     _, F, R = w1.shape
+    blocks = SPLIT_MOE_BLOCKS if blocks is None else blocks
     if down_blocks is None:
         down_blocks = SPLIT_MOE_DOWN_BLOCKS_ONE_TOKEN if tokens == 1 else SPLIT_MOE_DOWN_BLOCKS
     scale_blocks = lambda n, cap: BLOCK * _largest_pow2_divisor(n // BLOCK, max(cap // BLOCK, 1))
@@ -205,11 +207,11 @@ def _fit(w1: MXTensor, tokens: int, blocks: MXBlocks, down_blocks: MXBlocks | No
 
 
 def fused_moe_mx_split(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, weights: Array, experts: Array, act, *,
-                       blocks: MXBlocks = SPLIT_MOE_BLOCKS, down_blocks: MXBlocks | None = None,
+                       blocks: MXBlocks | None = None, down_blocks: MXBlocks | None = None,
                        out_dtype=None, interpret: bool | None = None) -> Array:
     """``fused_moe_mx``'s result (same arguments; x rounded to bf16 in the kernel) by two kernels.
-    Tiles (shrunk to fit): ``blocks.bn`` hidden units per program (a power of two dividing F),
-    ``blocks.bk`` contracted elements per tile (32 times a power of two, dividing R);
+    Tiles (shrunk to fit; by default ``SPLIT_MOE_BLOCKS``): ``blocks.bn`` hidden units per program (a
+    power of two dividing F), ``blocks.bk`` contracted elements per tile (32 times a power of two, dividing R);
     ``down_blocks.bn`` output rows per program (a power of two dividing R), ``down_blocks.bk``
     hidden units per tile (32 times a power of two, dividing F); by default
     ``SPLIT_MOE_DOWN_BLOCKS_ONE_TOKEN`` for one token, else ``SPLIT_MOE_DOWN_BLOCKS``. Each program
@@ -222,7 +224,7 @@ def fused_moe_mx_split(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, weigh
 
 
 def routed_moe_mx_split(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, logits: Array, correction_bias: Array,
-                        act, *, k: int, renormalize: bool, scaling_factor: float, blocks: MXBlocks = SPLIT_MOE_BLOCKS,
+                        act, *, k: int, renormalize: bool, scaling_factor: float, blocks: MXBlocks | None = None,
                         down_blocks: MXBlocks | None = None, out_dtype=None,
                         interpret: bool | None = None) -> Array:
     """The router's selection and ``fused_moe_mx_split`` in the same two kernels: from the router logits
