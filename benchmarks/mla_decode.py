@@ -2,14 +2,15 @@
 (``pallas_kernels.mla_decode``, between the same absorbed query and output products), at `mini`'s and
 K3's head counts, short and long caches, in one run.
 
-    python3 benchmarks/mla_decode.py [--cases heads:batch:keys,...]   (a CPU runs it in interpret mode,
-                                                                       small cases, for a check only)
+    python3 benchmarks/mla_decode.py [--cases heads:batch:keys,...] [--splits auto,1]   (a CPU runs it in
+                                                         interpret mode, small cases, for a check only)
 
 Per case (bf16 cache of ``keys`` rows, every row visible; nope 128, rope 64, value 128, R 512): each form's
 relative error against float32 absorbed attention from the same bf16 inputs, then its time per call in a
 jitted chain (a call's query depends on the last call's output through one small reduction, the same in
 both forms; us per call = the difference between chains of 30 and 10 calls over 20, best of 5 rounds of a
-median of 10), and the cache's bytes over that time (each form reads the cache at least once).
+median of 10), and the cache's bytes over that time (each form reads the cache at least once). The kernel
+runs at each of ``--splits`` (auto: ``default_splits``; 1: one program a sequence and head group, no merge).
 """
 
 from __future__ import annotations
@@ -35,10 +36,10 @@ def xla_form(q_nope, q_pe, c_kv, k_pe, kv_b, scale):
     return absorbed_attention(q_nope, q_pe, c_kv, k_pe, kv_b, visible, scale)
 
 
-def kernel_form(q_nope, q_pe, c_kv, k_pe, kv_b, scale):
+def kernel_form(q_nope, q_pe, c_kv, k_pe, kv_b, scale, splits=None):
     q_lat = absorbed_query(q_nope, kv_b, c_kv.dtype)
     lengths = jnp.full((c_kv.shape[0],), c_kv.shape[1], jnp.int32)
-    o_lat = latent_attention(q_lat[:, 0], q_pe[:, 0], c_kv, k_pe, lengths, scale)
+    o_lat = latent_attention(q_lat[:, 0], q_pe[:, 0], c_kv, k_pe, lengths, scale, splits=splits)
     return absorbed_output(o_lat[:, None], kv_b, N, c_kv.dtype)
 
 
@@ -55,6 +56,7 @@ def chain(form, calls: int):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", default=CASES, help="heads:batch:keys, comma-separated")
+    ap.add_argument("--splits", default="auto,1", help="the kernel's split counts, comma-separated (auto: the default)")
     args = ap.parse_args()
     scale, bf16 = (N + P) ** -0.5, jnp.bfloat16
     print(f"device {jax.devices()[0].device_kind}, JAX {jax.__version__}")
@@ -69,7 +71,9 @@ def main() -> None:
         f32 = [a.astype(jnp.float32) for a in inputs]
         exact = np.asarray(jax.jit(xla_form, static_argnames="scale")(*f32, scale=scale), np.float64)
         megabytes = (c_kv.nbytes + k_pe.nbytes) / 1e6
-        for name, form in (("XLA absorbed", xla_form), ("kernel", kernel_form)):
+        kernels = {f"kernel, splits {n}": functools.partial(kernel_form, splits=None if n == "auto" else int(n))
+                   for n in args.splits.split(",")}
+        for name, form in {"XLA absorbed": xla_form, **kernels}.items():
             out = np.asarray(jax.jit(form, static_argnames="scale")(*inputs, scale=scale), np.float64)
             err = float(np.linalg.norm(out - exact) / np.linalg.norm(exact))
             fns = [functools.partial(chain(form, n), scale=scale) for n in (SHORT, LONG)]

@@ -9,8 +9,8 @@ XLA runs it as about ten small kernels that read the cache twice (scores, then t
 the scores between them. ``latent_attention`` reads each cache row once, for every head at once (the
 latent is shared by the heads): program (sequence b, group g of up to 32 heads, split j) walks its share
 of the keys in blocks of ``block`` rows with an online softmax (FlashAttention-2's loop, in base 2),
-keeping the float32 [heads, R] sum and each head's running maximum and total; ``combine_splits`` merges
-the splits' partial results.
+keeping the float32 [heads, R] sum and each head's running maximum and total, and writes its output
+normalized over its keys; ``combine_splits`` merges the splits' outputs (one split needs no merge).
 Products run on the matrix units in the cache's dtype (q_lat and the unnormalized probabilities are
 rounded to it) with float32 accumulation; scores and softmax are float32. The splits give a long cache
 (K3's million tokens) many programs; a short one few.
@@ -59,8 +59,8 @@ def _head_block(heads: int) -> int:
 def _kernel(lengths_ref, q_ref, qp_ref, c_ref, kp_ref, acc_ref, m_ref, l_ref, *, scale: float, keys: int,
             per_split: int, block: int):
     """Refs: lengths [B] int32; q_lat [hb, R], q_pe [hb, P] (sequence b's head group g); c_kv [B, S, R],
-    k_pe [B, S, P] (whole; rows from ``keys`` on are never read); out: acc [hb, R] float32, running maximum
-    m and total l [hb] (base-2 units) of split j."""
+    k_pe [B, S, P] (whole; rows from ``keys`` on are never read); out: split j's output [hb, R] float32
+    (normalized over its keys), its maximum m and total l [hb] (base-2 units)."""
     b, j = pl.program_id(0), pl.program_id(2)
     start = j * per_split
     end = jnp.minimum(jnp.minimum(lengths_ref[b], keys), start + per_split)
@@ -89,7 +89,9 @@ def _kernel(lengths_ref, q_ref, qp_ref, c_ref, kp_ref, acc_ref, m_ref, l_ref, *,
     heads, width = acc_ref.shape
     carry = (jnp.zeros((heads, width), _F32), jnp.full((heads,), -jnp.inf, _F32), jnp.zeros((heads,), _F32))
     steps = jax.lax.div(jnp.maximum(end - start, 0) + block - 1, block)
-    acc_ref[...], m_ref[...], l_ref[...] = jax.lax.fori_loop(0, steps, step, carry)
+    acc, m, l = jax.lax.fori_loop(0, steps, step, carry)
+    acc_ref[...] = jnp.where(l[:, None] > 0, acc / l[:, None], 0.0)  # a split past the sequence sees no key
+    m_ref[...], l_ref[...] = m, l
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "keys", "splits", "block", "warps", "interpret"))
@@ -115,12 +117,12 @@ def _latent_attention(q_lat, q_pe, c_kv, k_pe, lengths, *, scale: float, keys: i
     )(lengths, q_lat, q_pe, c_kv, k_pe)
 
 
-def combine_splits(acc: Array, m: Array, l: Array) -> Array:
-    """The splits' partial sums acc [B, J, H, R], maxima m and totals l [B, J, H] (base 2) -> the
-    normalized attention output [B, H, R] float32. A split with no visible key (m = -inf) weighs 0."""
-    top = jnp.max(m, axis=1, keepdims=True)
-    weight = jnp.where(jnp.isneginf(m), 0.0, jnp.exp2(m - top))
-    return jnp.sum(weight[..., None] * acc, axis=1) / jnp.sum(weight * l, axis=1)[..., None]
+def combine_splits(out: Array, m: Array, l: Array) -> Array:
+    """The splits' outputs out [B, J, H, R] (each normalized over its own keys), maxima m and totals l
+    [B, J, H] (base 2) -> the output over all keys [B, H, R] float32: each split weighs 2^(m - max) l. A
+    split with no visible key (m = -inf, l = 0) weighs 0."""
+    weight = jnp.where(jnp.isneginf(m), 0.0, jnp.exp2(m - jnp.max(m, axis=1, keepdims=True))) * l
+    return jnp.sum(weight[..., None] * out, axis=1) / jnp.sum(weight, axis=1)[..., None]
 
 
 def default_splits(batch: int, keys: int, block: int = BLOCK) -> int:
@@ -157,7 +159,7 @@ def latent_attention(q_lat: Array, q_pe: Array, c_kv: Array, k_pe: Array, length
     pad = lambda a: jnp.pad(a, ((0, 0), (0, Hp - H), (0, 0))) if Hp > H else a
     acc, m, l = _latent_attention(pad(q_lat), pad(q_pe), c_kv, k_pe, lengths.astype(jnp.int32), scale=float(scale),
                                   keys=keys, splits=int(splits), block=block, warps=warps, interpret=bool(interpret))
-    return combine_splits(acc, m, l)[:, :H]
+    return (acc[:, 0] if splits == 1 else combine_splits(acc, m, l))[:, :H]
 
 
 __all__ = ["BLOCK", "HEAD_BLOCK", "TARGET_PROGRAMS", "combine_splits", "default_splits", "latent_attention",

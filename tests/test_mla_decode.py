@@ -69,14 +69,14 @@ def test_window_reads_only_its_rows():
     assert rel_err(out, expected) < 1e-5
 
 
-def test_combine_splits_weighs_each_split_by_its_maximum():
-    """Two splits of one head's keys, worked by hand in base 2: sums 2^(m - top) acc over 2^(m - top) l,
-    and a split with no key (m = -inf) adds nothing."""
-    acc = jnp.array([[[[4.0, 8.0]], [[1.0, 3.0]], [[0.0, 0.0]]]])  # [B=1, J=3, H=1, R=2]
+def test_combine_splits_weighs_each_split_by_its_maximum_and_total():
+    """Two splits of one head's keys, worked by hand in base 2: each split's normalized output weighs
+    2^(m - top) l, and a split with no key (m = -inf, l = 0) adds nothing."""
+    out = jnp.array([[[[2.0, 4.0]], [[1.0, 3.0]], [[0.0, 0.0]]]])  # [B=1, J=3, H=1, R=2]
     m = jnp.array([[[3.0], [1.0], [-jnp.inf]]])
     l = jnp.array([[[2.0], [1.0], [0.0]]])
-    expected = (np.array([4.0, 8.0]) + 0.25 * np.array([1.0, 3.0])) / (2.0 + 0.25)
-    np.testing.assert_allclose(np.asarray(combine_splits(acc, m, l))[0, 0], expected, rtol=1e-6)
+    expected = (2.0 * np.array([2.0, 4.0]) + 0.25 * np.array([1.0, 3.0])) / (2.0 + 0.25)
+    np.testing.assert_allclose(np.asarray(combine_splits(out, m, l))[0, 0], expected, rtol=1e-6)
 
 
 def test_default_splits():
