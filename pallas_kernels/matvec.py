@@ -35,8 +35,9 @@ blocks are powers of two); a last block that runs past N_i loads with a row mask
 with the same mask; D need not be a multiple of bk (column mask on the last chunk). x and the
 weights may be bf16 or float32, independently.
 
-Tiles (``MatvecBlocks``, ``DEFAULT_BLOCKS``): bn weight rows per program, bk columns per step,
-Triton's num_warps and num_stages. Defaults from two H200 sweeps at mini's shapes
+Tiles (``MatvecBlocks``, ``DEFAULT_BLOCKS``): bn weight rows per block, bk columns per step,
+Triton's num_warps and num_stages, row_steps blocks per program (1 by default; more walk a loop whose
+loads Triton pipelines, not yet measured). Defaults from two H200 sweeps at mini's shapes
 (``benchmarks/matvec.py``, benchmarks/RESULTS.md, issue 4): at M = 1, bn 4, bk 2048, 4 warps took
 6.59 us for the KDA group (9.0 MB; XLA's einsums 7.94 us; bn 8 bk 1024 7.62 us) and 7.03 us for the
 MoE group (11.0 MB; XLA 10.20 us; bn 8 bk 1024 7.70 us). At M = 8 the kernel is 1.5-3x slower than
