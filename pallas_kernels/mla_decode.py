@@ -16,8 +16,8 @@ rounded to it) with float32 accumulation; scores and softmax are float32. The sp
 (K3's million tokens) many programs; a short one few.
 
 A candidate of issue 4 (``k3jax.layers.mla.DECODE_ATTENTION_KERNEL``), timed by
-``benchmarks/decode_variants.py``. Pallas' Triton lowering on GPUs (head count, R and P padded or powers of
-two from 16: Triton's dot), interpret mode on CPU.
+``benchmarks/decode_variants.py``. Pallas' Triton lowering on GPUs (R and P powers of two from 16, Triton's
+dot; the heads padded to a multiple of their group), interpret mode on CPU.
 """
 
 from __future__ import annotations
