@@ -1,6 +1,27 @@
-"""What the Pallas Triton kernels share: their compiler parameters."""
+"""What the Pallas Triton kernels share: their compiler parameters, the widths Triton's dot takes, and
+the online-softmax step of the flash-attention loops."""
 
 from __future__ import annotations
+
+import jax.numpy as jnp
+
+MIN_DOT = 16  # Triton's smallest dot dimension
+
+
+def dot_width(n: int) -> bool:
+    """Whether n is a width Triton's dot takes: a power of two >= ``MIN_DOT``."""
+    return n >= MIN_DOT and not n & (n - 1)
+
+
+def online_softmax_step(acc, m, l, s, values):
+    """One key block of FlashAttention-2's loop in base 2: scores s [q, k] (log2 units, -inf where
+    hidden) and values [k, d] update the float32 sum acc [q, d], the running maximum m and total l [q];
+    the probabilities are rounded to the values' dtype for their product. Returns (acc, m, l)."""
+    m_next = jnp.maximum(m, jnp.max(s, axis=1))
+    p = jnp.exp2(s - m_next[:, None])
+    correction = jnp.exp2(m - m_next)
+    acc = acc * correction[:, None] + jnp.dot(p.astype(values.dtype), values, preferred_element_type=jnp.float32)
+    return acc, m_next, l * correction + jnp.sum(p, axis=1)
 
 
 def triton_params(num_warps: int, num_stages: int, interpret: bool):

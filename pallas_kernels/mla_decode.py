@@ -32,28 +32,23 @@ from jax.experimental.pallas import triton as pltriton
 
 from k3jax.implementation import pallas_interpret
 from k3jax.typing import Array
-from pallas_kernels._triton import triton_params
+from pallas_kernels._triton import MIN_DOT, dot_width, online_softmax_step, triton_params
 
 _F32 = jnp.float32
-_MIN_DOT = 16  # Triton's smallest dot dimension
 BLOCK = 64  # cache rows per loop step
 HEAD_BLOCK = 32  # heads per program at most: a float32 [32, 512] sum is 128 registers a thread at 4 warps
 TARGET_PROGRAMS = 128  # splits are chosen so that batch x splits reaches about this many programs
 
 
-def _dot_width(n: int) -> bool:
-    return n >= _MIN_DOT and not n & (n - 1)
-
-
 def latent_attention_runs(latent: int, rope: int) -> bool:
     """Whether the kernel takes these widths off interpret mode: R and P powers of two from 16 (the heads
     are padded inside, the cache is not)."""
-    return _dot_width(latent) and _dot_width(rope)
+    return dot_width(latent) and dot_width(rope)
 
 
 def _head_block(heads: int) -> int:
     """Heads per program: a power of two from 16 (Triton's dot) up to ``HEAD_BLOCK``."""
-    return min(HEAD_BLOCK, max(_MIN_DOT, pl.next_power_of_2(heads)))
+    return min(HEAD_BLOCK, max(MIN_DOT, pl.next_power_of_2(heads)))
 
 
 def _kernel(lengths_ref, q_ref, qp_ref, c_ref, kp_ref, acc_ref, m_ref, l_ref, *, scale: float, keys: int,
@@ -79,12 +74,8 @@ def _kernel(lengths_ref, q_ref, qp_ref, c_ref, kp_ref, acc_ref, m_ref, l_ref, *,
         c, kp = rows(c_ref, row0, c_ref.shape[2]), rows(kp_ref, row0, kp_ref.shape[2])
         s = (jnp.dot(q, c.T, preferred_element_type=_F32) + jnp.dot(qp, kp.T, preferred_element_type=_F32)) * log2_scale
         key = row0 + jax.lax.broadcasted_iota(jnp.int32, (1, block), 1)
-        s = jnp.where(key < end, s, -jnp.inf)
-        m_next = jnp.maximum(m, jnp.max(s, axis=1))  # finite: every step holds a visible key
-        p = jnp.exp2(s - m_next[:, None])
-        correction = jnp.exp2(m - m_next)
-        acc = acc * correction[:, None] + jnp.dot(p.astype(dtype), c, preferred_element_type=_F32)
-        return acc, m_next, l * correction + jnp.sum(p, axis=1)
+        s = jnp.where(key < end, s, -jnp.inf)  # every step holds a visible key, so the maximum stays finite
+        return online_softmax_step(acc, m, l, s, c)
 
     heads, width = acc_ref.shape
     carry = (jnp.zeros((heads, width), _F32), jnp.full((heads,), -jnp.inf, _F32), jnp.zeros((heads,), _F32))
@@ -148,12 +139,12 @@ def latent_attention(q_lat: Array, q_pe: Array, c_kv: Array, k_pe: Array, length
         raise ValueError(f"latent_attention: shapes disagree with q_lat [B, H, R] = {list(q_lat.shape)}, c_kv's "
                          f"S = {S} and k_pe's P = {P}: {wrong}")
     keys = S if window is None else min(window, S)
-    if keys < 1 or not _dot_width(block):
+    if keys < 1 or not dot_width(block):
         raise ValueError(f"latent_attention: needs cache rows to read (S = {S}, window = {window}) and a block "
-                         f"that is a power of two >= {_MIN_DOT} (got {block})")
+                         f"that is a power of two >= {MIN_DOT} (got {block})")
     interpret = pallas_interpret() if interpret is None else interpret
     if not interpret and not latent_attention_runs(R, P):
-        raise ValueError(f"latent_attention: R = {R} and P = {P} must be powers of two >= {_MIN_DOT} on a GPU")
+        raise ValueError(f"latent_attention: R = {R} and P = {P} must be powers of two >= {MIN_DOT} on a GPU")
     splits = default_splits(B, keys, block) if splits is None else splits
     Hp = pl.cdiv(H, _head_block(H)) * _head_block(H)
     pad = lambda a: jnp.pad(a, ((0, 0), (0, Hp - H), (0, 0))) if Hp > H else a

@@ -32,15 +32,9 @@ from jax.experimental import pallas as pl
 
 from k3jax.implementation import pallas_interpret
 from k3jax.typing import Array
-from pallas_kernels._triton import triton_params
+from pallas_kernels._triton import MIN_DOT, dot_width, online_softmax_step, triton_params
 
 _F32 = jnp.float32
-_MIN_DOT = 16  # Triton's smallest dot dimension
-
-
-def _dot_width(n: int) -> bool:
-    """Whether n is a width Triton's dot takes: a power of two >= 16."""
-    return n >= _MIN_DOT and not n & (n - 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +51,8 @@ class AttentionBlocks:
     def __post_init__(self):
         for name in ("block_q", "block_k"):
             n = getattr(self, name)
-            if not _dot_width(n):
-                raise ValueError(f"{name} must be a power of two >= {_MIN_DOT}, got {n}")
+            if not dot_width(n):
+                raise ValueError(f"{name} must be a power of two >= {MIN_DOT}, got {n}")
 
 
 def _kernel(positions_ref, qn_ref, qp_ref, kn_ref, kp_ref, v_ref, o_ref, *, scale: float, keys: int,
@@ -81,12 +75,7 @@ def _kernel(positions_ref, qn_ref, qp_ref, kn_ref, kp_ref, v_ref, o_ref, *, scal
         if masked:
             key = j * block_k + jax.lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
             s = jnp.where((key <= pos[:, None]) & (key < keys), s, -jnp.inf)
-        m_next = jnp.maximum(m, jnp.max(s, axis=1))
-        p = jnp.exp2(s - m_next[:, None])
-        correction = jnp.exp2(m - m_next)
-        v = v_ref[rows, :]
-        acc = acc * correction[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=_F32)
-        return acc, m_next, l * correction + jnp.sum(p, axis=1)
+        return online_softmax_step(acc, m, l, s, v_ref[rows, :])
 
     bq, width = o_ref.shape
     carry = (jnp.zeros((bq, width), _F32), jnp.full((bq,), -jnp.inf, _F32), jnp.zeros((bq,), _F32))
@@ -127,7 +116,7 @@ def _pad(a: Array, axis: int, size: int, mode: str = "constant") -> Array:
 
 def prefill_attention_runs(*widths: int) -> bool:
     """Whether head widths (nope, rope, value) suit the kernel off interpret mode: powers of two >= 16."""
-    return all(map(_dot_width, widths))
+    return all(map(dot_width, widths))
 
 
 def prefill_attention(q_nope: Array, q_pe: Array, k_nope: Array, k_pe: Array, v: Array, positions: Array,
@@ -153,8 +142,8 @@ def prefill_attention(q_nope: Array, q_pe: Array, k_nope: Array, k_pe: Array, v:
     interpret = pallas_interpret() if interpret is None else interpret
     if not interpret and not prefill_attention_runs(N, P, V):
         raise ValueError(f"prefill_attention: head widths (nope {N}, rope {P}, value {V}) must be powers of two "
-                         f">= {_MIN_DOT} on a GPU")
-    bq = min(blocks.block_q, max(_MIN_DOT, pl.next_power_of_2(T)))
+                         f">= {MIN_DOT} on a GPU")
+    bq = min(blocks.block_q, max(MIN_DOT, pl.next_power_of_2(T)))
     blocks = dataclasses.replace(blocks, block_q=bq)
     Tp, Sp = -(-T // bq) * bq, -(-S // blocks.block_k) * blocks.block_k
     q_nope, q_pe = _pad(q_nope, 1, Tp), _pad(q_pe, 1, Tp)
