@@ -215,7 +215,7 @@ def _x_tiles(refs: _XRefs, prologue: Prologue, rows: int, bk: int, firsts) -> "c
 
 
 def _block_product(x_refs: _XRefs, w_ref, add_refs, o_ref, row0, *, bn: int, bk: int, dot: bool,
-                   prologue: Prologue, rows_past: bool | None = None) -> None:
+                   prologue: Prologue, row_steps: int = 1) -> None:
     """o[:, row0:row0 + bn] = x @ w[row0:row0 + bn]^T in float32, rows past w's end masked (x as the
     prologue makes it), rounded to o's dtype, then each addend's block added in turn (in float32,
     rounded to o's dtype after each: ``(y + a).astype(y.dtype)``).
@@ -223,11 +223,14 @@ def _block_product(x_refs: _XRefs, w_ref, add_refs, o_ref, row0, *, bn: int, bk:
     Rows form: a float32 [bn] sum per row of x, each step adding the row sums of w * x_m. Dot form:
     a [DOT_ROWS, bn] float32 accumulator from x (rows past M loaded as zeros) . w^T on the matrix
     units, bf16 operands where both are bf16, else float32 at precision HIGHEST (exact products).
-    ``rows_past`` (None outside a loop over row blocks): whether the block may lie wholly past w's rows (a
-    program's later row steps), so that rows are masked even where bn divides them."""
+    ``row_steps``: the blocks of the program's loop over row blocks (1: no loop). In a loop the rows are
+    masked wherever w's rows are not a multiple of the program's bn * row_steps, since a later block may
+    lie wholly past them, and one column step goes without a loop of its own, so that the row loop is the
+    innermost, the one Triton pipelines."""
     m_rows, depth = x_refs.x.shape
     n = w_ref.shape[0]
-    row_mask = row0 + jax.lax.broadcasted_iota(jnp.int32, (bn,), 0) < n if rows_past else _valid(row0, bn, n)
+    past = row_steps > 1 and n % (bn * row_steps) != 0
+    row_mask = row0 + jax.lax.broadcasted_iota(jnp.int32, (bn,), 0) < n if past else _valid(row0, bn, n)
     x_at = _x_tiles(x_refs, prologue, DOT_ROWS if dot else 1, bk, [0] if dot else range(m_rows))
 
     def step(s, acc):
@@ -243,10 +246,8 @@ def _block_product(x_refs: _XRefs, w_ref, add_refs, o_ref, row0, *, bn: int, bk:
         return tuple(acc[m] + jnp.sum(w * x_at(m, col0).astype(jnp.float32), axis=1) for m in range(m_rows))
 
     init = jnp.zeros((DOT_ROWS, bn), jnp.float32) if dot else (jnp.zeros((bn,), jnp.float32),) * m_rows
-    # in a program's loop over row blocks, one column step goes without a loop of its own: the row loop is
-    # then the innermost, the one Triton pipelines
-    acc = step(0, init) if rows_past is not None and depth <= bk else jax.lax.fori_loop(0, pl.cdiv(depth, bk), step,
-                                                                                          init)
+    unlooped = row_steps > 1 and depth <= bk
+    acc = step(0, init) if unlooped else jax.lax.fori_loop(0, pl.cdiv(depth, bk), step, init)
 
     def epilogue(y, rows, mask):
         y = y.astype(o_ref.dtype)
@@ -281,14 +282,13 @@ def _matvecs_kernel(*refs, parts: tuple[_Part, ...], n_adds: tuple[int, ...], bk
         def _(w_ref=w_ref, adds=adds, o_ref=o_ref, part=part):
             first_row = (program - part.first) * part.bn * part.steps
             product = functools.partial(_block_product, x_refs, w_ref, adds, o_ref, bn=part.bn, bk=bk, dot=dot,
-                                        prologue=prologue)
+                                        prologue=prologue, row_steps=part.steps)
             if part.steps == 1:
                 product(pl.multiple_of(first_row, part.bn))
                 return
-            past = w_ref.shape[0] % (part.bn * part.steps) != 0
 
             def block(r, carry):
-                product(pl.multiple_of(first_row + r * part.bn, part.bn), rows_past=past)
+                product(pl.multiple_of(first_row + r * part.bn, part.bn))
                 return carry
 
             jax.lax.fori_loop(0, part.steps, block, None)
