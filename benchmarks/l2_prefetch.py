@@ -34,7 +34,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from k3jax.implementation import pallas_interpret
-from k3jax.inference import DECODE_GPU_OPTIONS
+from k3jax.inference import decode_compiler_options
 from launch_floor import ROUNDS, median_seconds, pallas_link
 from pallas_kernels._triton import triton_params
 from pallas_kernels.matvec import matvecs
@@ -60,7 +60,7 @@ def read_weight(w, after, programs: int):
     if n % programs:
         raise SystemExit(f"--programs {programs} must divide --rows {n}")
     rows = n // programs
-    chunk = rows & -rows if rows & -rows < 8 else 8
+    chunk = min(rows & -rows, 8)  # the largest power of two dividing rows, at most 8
     interpret = pallas_interpret()
     return pl.pallas_call(
         functools.partial(_read_kernel, rows=rows, chunk=chunk),
@@ -89,8 +89,7 @@ def stages(weights, gap: int, matvec: bool, programs: int | None):
                 v = matvecs(v[None], [w], [jnp.float32])[0][0, :v.shape[0]]
         return v, reads
 
-    options = DECODE_GPU_OPTIONS if jax.default_backend() == "gpu" else None
-    return jax.jit(functools.partial(run, weights=weights), compiler_options=options)
+    return jax.jit(functools.partial(run, weights=weights), compiler_options=decode_compiler_options())
 
 
 def xla_chain(v, weights, gap: int):

@@ -32,7 +32,7 @@ import numpy as np
 
 from k3jax import preset
 from k3jax.functional.moe import moe_dense, select_experts
-from k3jax.inference import DECODE_GPU_OPTIONS
+from k3jax.inference import decode_compiler_options
 from k3jax.layers.mlp import activation
 from launch_floor import ROUNDS, median_seconds
 from mx_matmul import random_mx
@@ -52,7 +52,7 @@ def tiles(text: str, base):
     return out
 
 
-def chain(layers, moe, options):
+def chain(layers, moe):
     """The jitted chain over the layers' (router weight, bias, w1, w3, w2, pairs); ``moe(x, logits, layer)``
     -> float32 [1, R], or None for the chain without the MoE."""
     def run(x, layers):
@@ -62,7 +62,7 @@ def chain(layers, moe, options):
             x = (y * jax.lax.rsqrt(jnp.mean(y * y) + 1e-6)).astype(jnp.bfloat16)
         return x
 
-    return jax.jit(lambda x: run(x, layers), compiler_options=options)
+    return jax.jit(lambda x: run(x, layers), compiler_options=decode_compiler_options())
 
 
 def main() -> None:
@@ -101,7 +101,6 @@ def main() -> None:
     moes |= {f"hidden {label(b)}": routed(b, None) for b in tiles(args.hidden, SPLIT_MOE_BLOCKS)}
     moes |= {f"down {label(d)}": routed(SPLIT_MOE_BLOCKS, d) for d in tiles(args.down, default_down)}
     moes["probe: experts given (no pick)"] = given
-    options = DECODE_GPU_OPTIONS if jax.default_backend() == "gpu" else None
     x = (jax.random.normal(jax.random.fold_in(key, count), (1, R), jnp.float32)).astype(jnp.bfloat16)
     print(f"device {jax.devices()[0].device_kind}; {args.preset}: {count} MoE layers, {E} experts, top {k}, "
           f"{R} -> {F} -> {R}", flush=True)
@@ -120,7 +119,7 @@ def main() -> None:
             raise SystemExit(f"{name}: {err(got, first[0]):.1e} from the default")
     print(f"default vs reference: rel err {err(first[0], expected):.1e}; the sweep's variants agree with it")
 
-    fns = {"without the MoE": chain(layers, None, options)} | {n: chain(layers, m, options) for n, m in moes.items()}
+    fns = {"without the MoE": chain(layers, None)} | {n: chain(layers, m) for n, m in moes.items()}
     best = {name: min(median_seconds(fn, x) for _ in range(ROUNDS)) for name, fn in fns.items()}
     base = best.pop("without the MoE")
     mbytes = sum(a.nbytes for w in layers[0][2:5] for a in (w.codes, w.scales)) * k / E / 1e6

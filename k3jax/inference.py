@@ -50,6 +50,12 @@ class Generation:
 DECODE_GPU_OPTIONS = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
 
 
+def decode_compiler_options() -> dict | None:
+    """The ``compiler_options`` of a jitted decode step: ``DECODE_GPU_OPTIONS`` (as it is at the call) on a
+    GPU, none elsewhere."""
+    return DECODE_GPU_OPTIONS if jax.default_backend() == "gpu" else None
+
+
 class Generator:
     """Holds the split model, the compiled prefill chunk and decode step, and runs batches.
 
@@ -82,7 +88,7 @@ class Generator:
         self._model = model
         self._extend = jax.jit(self._extend_fn, donate_argnums=2, static_argnames="window")
         self._decode = jax.jit(self._decode_fn, donate_argnums=2, static_argnames=("sampling", "window"),
-                               compiler_options=DECODE_GPU_OPTIONS if jax.default_backend() == "gpu" else None)
+                               compiler_options=decode_compiler_options())
         self._sample = jax.jit(sample, static_argnames="sampling")
 
     def _extend_fn(self, weights, tokens, cache, start, lengths, logits_at=None, window=None):
