@@ -21,10 +21,8 @@ Each switch turns one change off (module attributes read while a step is traced)
   kernel with atomic adds at every batch, not the two kernels without atomics);
 - selection kernel: ``MoE._routes_in_kernel`` False (at one token the experts are picked by the selection
   kernel before the fused MoE, not by its hidden programs).
-A candidate turns a form on that is not the default yet (``CANDIDATES``):
-- MLA decode kernel: ``k3jax.layers.mla.DECODE_ATTENTION_KERNEL`` True (each MLA layer's attention over the
-  latent cache as one kernel, ``pallas_kernels.mla_decode``, between the absorbed query and output
-  products: every cache row read once, instead of about ten XLA kernels).
+A candidate turns a form on that is not the default yet (``CANDIDATES``, ``(owner, attribute, value with it
+on)``; none now: the nineteenth session's MLA decode kernel and tile candidates are in benchmarks/RESULTS.md).
 Variants: the default, each switch alone, each candidate alone, all the changes off. Also prints each
 variant's first logits against the default's (with random bf16 weights the model amplifies float32 summation
 order).
@@ -41,7 +39,6 @@ from flax import nnx
 
 import k3jax.inference as inference
 import k3jax.layers.kda as kda
-import k3jax.layers.mla as mla_layer
 import k3jax.model as model_module
 import pallas_kernels.mx_matmul as mx_matmul
 from k3jax import Generator, K3Model, preset, use_implementation
@@ -62,9 +59,7 @@ OFF = {  # a change's name -> (owner, attribute, value with the change off)
     "one-kernel MoE": (mx_matmul, "SPLIT_MIN_TOKENS", 1 << 30),
     "selection kernel": (MoE, "_routes_in_kernel", lambda self, tokens: False),
 }
-CANDIDATES = {  # a candidate's name -> (owner, attribute, value with it on)
-    "MLA decode kernel": (mla_layer, "DECODE_ATTENTION_KERNEL", True),
-}
+CANDIDATES: dict[str, tuple[object, str, object]] = {}
 SWITCHES = Switches(OFF, CANDIDATES)
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import time
 
 import jax
 import jax.numpy as jnp
@@ -39,8 +40,10 @@ from mx_matmul import random_mx
 from pallas_kernels.mx_matmul import fused_moe_mx_split, routed_moe_mx_split
 from pallas_kernels.mx_matmul.moe_split import SPLIT_MOE_BLOCKS, SPLIT_MOE_DOWN_BLOCKS_ONE_TOKEN
 
-HIDDEN = "8/512/4,8/1024/4,16/1024/8,16/512/4,16/256/4,32/512/8,32/256/8"
-DOWN = "1/256/1,2/256/2,2/128/2,4/256/4,1/128/1"
+# Each variant's chain compiles its two Triton kernels once per layer (about 40 s a variant on the H200 at
+# `mini`, nineteenth session: a sweep of 14 variants ran past a 10-minute call), so the default sweep is short.
+HIDDEN = "8/1024/4,16/1024/8,32/512/8"
+DOWN = "1/128/1,2/256/2"
 
 
 def tiles(text: str, base):
@@ -120,6 +123,10 @@ def main() -> None:
     print(f"default vs reference: rel err {err(first[0], expected):.1e}; the sweep's variants agree with it")
 
     fns = {"without the MoE": chain(layers, None)} | {n: chain(layers, m) for n, m in moes.items()}
+    for name, fn in fns.items():
+        start = time.perf_counter()
+        jax.block_until_ready(fn(x))
+        print(f"compiled: {name} ({time.perf_counter() - start:.0f} s)", flush=True)
     best = {name: min(median_seconds(fn, x) for _ in range(ROUNDS)) for name, fn in fns.items()}
     base = best.pop("without the MoE")
     mbytes = sum(a.nbytes for w in layers[0][2:5] for a in (w.codes, w.scales)) * k / E / 1e6

@@ -12,17 +12,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import MLAConfig
-from k3jax.functional.mla import (absorbed_attention, absorbed_output, absorbed_query, causal_attention, mla_expand,
-                                  mla_keys_values)
+from k3jax.functional.mla import absorbed_attention, causal_attention, mla_expand, mla_keys_values
 from k3jax.implementation import pallas_interpret, triton_kernels
 from k3jax.layers.basic import Linear, RMSNorm, Rngs, project
 from k3jax.typing import Array
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm, as in the public implementations
-# Whether a decode step (T = 1) on the Pallas path attends over the latent cache by one kernel
-# (``pallas_kernels.mla_decode``: every cache row read once) instead of the absorbed form's XLA ops. A
-# candidate (False) until the whole step measures faster: benchmarks/decode_variants.py "MLA decode kernel".
-DECODE_ATTENTION_KERNEL = False
 
 
 class MLACache(NamedTuple):
@@ -128,8 +123,6 @@ class MLA(nnx.Module):
         q = self.queries(q_in)
         if x.shape[1] > 1 and self._flash_kernel():  # the cache's dtype rounds the operands, as absorbed
             o = self._flash_attention(q, keys.c_kv, keys.k_pe, pos, keys.c_kv.dtype)
-        elif x.shape[1] == 1 and self._decode_kernel():
-            o = self._latent_attention(q, cache, window, pos[:, 0])
         else:
             visible = jnp.arange(keys.c_kv.shape[1])[None, None, :] <= pos[:, :, None]  # [B, T, S]
             q_nope, q_pe = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :]
@@ -145,27 +138,6 @@ class MLA(nnx.Module):
         cfg = self.cfg
         return triton_kernels() and (pallas_interpret() or prefill_attention_runs(
             cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim))
-
-    def _decode_kernel(self) -> bool:
-        """Whether a decode step attends by ``pallas_kernels.mla_decode`` (``DECODE_ATTENTION_KERNEL``, the
-        Pallas path off TPU, widths the kernel takes; any in interpret mode)."""
-        from pallas_kernels.mla_decode import latent_attention_runs
-
-        cfg = self.cfg
-        return DECODE_ATTENTION_KERNEL and triton_kernels() and (pallas_interpret() or latent_attention_runs(
-            cfg.kv_lora_rank, cfg.qk_rope_head_dim))
-
-    def _latent_attention(self, q: Array, cache: MLACache, window: int | None, positions: Array) -> Array:
-        """One query a sequence, q [B, 1, H, nope + rope] at positions [B], over the cache's first ``window``
-        latents (all with None) by the kernel, between the absorbed form's two weight products. Returns
-        [B, 1, H, V] float32."""
-        from pallas_kernels.mla_decode import latent_attention
-
-        cfg, dtype, kv_b = self.cfg, cache.c_kv.dtype, self.kv_b_proj.weight[...]
-        q_lat = absorbed_query(q[..., : cfg.qk_nope_head_dim], kv_b, dtype)
-        o_lat = latent_attention(q_lat[:, 0], q[:, 0, :, cfg.qk_nope_head_dim :], cache.c_kv, cache.k_pe,
-                                 positions + 1, cfg.qk_head_dim**-0.5, window=window)
-        return absorbed_output(o_lat[:, None], kv_b, cfg.qk_nope_head_dim, dtype)
 
     def _flash_attention(self, q: Array, c_kv: Array, k_pe: Array, positions: Array, dtype) -> Array:
         """Queries q [B, T, H, nope + rope] at positions [B, T] over the latents c_kv [B, S, R] (after
