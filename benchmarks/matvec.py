@@ -26,11 +26,7 @@ GROUPS = {  # a decode step's matvec kernels at mini: KDA's input maps (q, k, v,
     "moe": [(64, F32), (1024, BF), (768, BF), (768, BF)],
 }
 D, SETS, ITERS = 2048, 8, 25
-VARIANTS = [MatvecBlocks(4, 2048, 4, 3),  # the default, then the forms not yet measured first (the budget cuts the tail)
-            # several row blocks per program, their loads pipelined over the stages (eighteenth session)
-            MatvecBlocks(4, 2048, 4, 3, row_steps=4), MatvecBlocks(4, 2048, 4, 2, row_steps=8),
-            MatvecBlocks(4, 2048, 2, 3, row_steps=4), MatvecBlocks(8, 2048, 4, 3, row_steps=2),
-            MatvecBlocks(2, 2048, 2, 3), MatvecBlocks(4, 2048, 2, 3),
+VARIANTS = [MatvecBlocks(4, 2048, 4, 3), MatvecBlocks(2, 2048, 2, 3), MatvecBlocks(4, 2048, 2, 3),
             MatvecBlocks(8, 2048, 4, 3), MatvecBlocks(8, 2048, 8, 3), MatvecBlocks(16, 2048, 8, 3),
             MatvecBlocks(16, 1024, 8, 4), MatvecBlocks(32, 1024, 8, 3), MatvecBlocks(8, 1024, 4, 3)]
 ROWS_OF_X = [int(a) for a in sys.argv[2].split(",")] if len(sys.argv) > 2 else [1, 8]

@@ -35,9 +35,8 @@ blocks are powers of two); a last block that runs past N_i loads with a row mask
 with the same mask; D need not be a multiple of bk (column mask on the last chunk). x and the
 weights may be bf16 or float32, independently.
 
-Tiles (``MatvecBlocks``, ``DEFAULT_BLOCKS``): bn weight rows per block, bk columns per step,
-Triton's num_warps and num_stages, row_steps blocks per program (1 by default; more walk a loop whose
-loads Triton pipelines, not yet measured). Defaults from two H200 sweeps at mini's shapes
+Tiles (``MatvecBlocks``, ``DEFAULT_BLOCKS``): bn weight rows per program, bk columns per step,
+Triton's num_warps and num_stages. Defaults from two H200 sweeps at mini's shapes
 (``benchmarks/matvec.py``, benchmarks/RESULTS.md, issue 4): at M = 1, bn 4, bk 2048, 4 warps took
 6.59 us for the KDA group (9.0 MB; XLA's einsums 7.94 us; bn 8 bk 1024 7.62 us) and 7.03 us for the
 MoE group (11.0 MB; XLA 10.20 us; bn 8 bk 1024 7.70 us). At M = 8 the kernel is 1.5-3x slower than
@@ -69,27 +68,22 @@ DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 @dataclasses.dataclass(frozen=True)
 class MatvecBlocks:
-    """bn: weight rows per block (a power of two); bk: columns of D per loop step (a power of
+    """bn: weight rows per program (a power of two); bk: columns of D per loop step (a power of
     two); num_warps, num_stages: Triton launch and software-pipelining depth (ignored in interpret
     mode); dot: products on the matrix units (x's rows padded to DOT_ROWS, bn >= 16) instead of one
-    row reduction per row of x (unmeasured); row_steps: blocks of bn rows per program, walked in a loop
-    that Triton pipelines over num_stages when bk covers D (so fewer, longer programs with the next
-    blocks' weights in flight; 1: one block a program, no loop; unmeasured above 1)."""
+    row reduction per row of x (unmeasured)."""
 
     bn: int = 8
     bk: int = 1024
     num_warps: int = 4
     num_stages: int = 3
     dot: bool = False
-    row_steps: int = 1
 
     def __post_init__(self):
         for name in ("bn", "bk"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"MatvecBlocks.{name} = {value}: must be a power of two")
-        if self.row_steps < 1:
-            raise ValueError(f"MatvecBlocks.row_steps = {self.row_steps}: must be at least 1")
         if self.dot and min(self.bn, self.bk) < DOT_ROWS:
             raise ValueError(f"MatvecBlocks.dot needs bn and bk >= {DOT_ROWS}, got {self.bn} and {self.bk}")
 
@@ -98,24 +92,21 @@ DEFAULT_BLOCKS = MatvecBlocks(bn=4, bk=2048, num_warps=4, num_stages=3)
 
 
 class _Part(NamedTuple):
-    """The programs [first, first + programs) compute one weight's output, ``steps`` blocks of bn rows
-    each (the last program's last blocks may lie past the weight's rows)."""
+    """The programs [first, first + blocks) compute one weight's output, bn rows each."""
 
     first: int
-    programs: int
+    blocks: int
     bn: int
-    steps: int
 
 
-def _parts(rows: Sequence[int], bn: int, min_bn: int, row_steps: int) -> tuple[_Part, ...]:
+def _parts(rows: Sequence[int], bn: int, min_bn: int) -> tuple[_Part, ...]:
     """Program ranges for weights of the given row counts, in order: blocks of bn rows, or of the
-    next power of two above a smaller weight's rows (at least min_bn), up to row_steps blocks a program."""
+    next power of two above a smaller weight's rows (at least min_bn)."""
     parts, first = [], 0
     for n in rows:
         block = max(min(bn, pl.next_power_of_2(n)), min_bn)
-        steps = min(row_steps, pl.cdiv(n, block))
-        parts.append(_Part(first, pl.cdiv(n, block * steps), block, steps))
-        first += parts[-1].programs
+        parts.append(_Part(first, pl.cdiv(n, block), block))
+        first += parts[-1].blocks
     return tuple(parts)
 
 
@@ -215,26 +206,20 @@ def _x_tiles(refs: _XRefs, prologue: Prologue, rows: int, bk: int, firsts) -> "c
 
 
 def _block_product(x_refs: _XRefs, w_ref, add_refs, o_ref, row0, *, bn: int, bk: int, dot: bool,
-                   prologue: Prologue, row_steps: int = 1) -> None:
+                   prologue: Prologue) -> None:
     """o[:, row0:row0 + bn] = x @ w[row0:row0 + bn]^T in float32, rows past w's end masked (x as the
     prologue makes it), rounded to o's dtype, then each addend's block added in turn (in float32,
     rounded to o's dtype after each: ``(y + a).astype(y.dtype)``).
 
     Rows form: a float32 [bn] sum per row of x, each step adding the row sums of w * x_m. Dot form:
     a [DOT_ROWS, bn] float32 accumulator from x (rows past M loaded as zeros) . w^T on the matrix
-    units, bf16 operands where both are bf16, else float32 at precision HIGHEST (exact products).
-    ``row_steps``: the blocks of the program's loop over row blocks (1: no loop). In a loop the rows are
-    masked wherever w's rows are not a multiple of the program's bn * row_steps, since a later block may
-    lie wholly past them, and one column step goes without a loop of its own, so that the row loop is the
-    innermost, the one Triton pipelines."""
+    units, bf16 operands where both are bf16, else float32 at precision HIGHEST (exact products)."""
     m_rows, depth = x_refs.x.shape
-    n = w_ref.shape[0]
-    past = row_steps > 1 and n % (bn * row_steps) != 0
-    row_mask = row0 + jax.lax.broadcasted_iota(jnp.int32, (bn,), 0) < n if past else _valid(row0, bn, n)
+    row_mask = _valid(row0, bn, w_ref.shape[0])
     x_at = _x_tiles(x_refs, prologue, DOT_ROWS if dot else 1, bk, [0] if dot else range(m_rows))
 
     def step(s, acc):
-        col0 = s * bk if isinstance(s, int) else pl.multiple_of(s * bk, bk)  # an int: the one step, unlooped
+        col0 = pl.multiple_of(s * bk, bk)
         col_mask = _valid(col0, bk, depth)
         w = _load(w_ref.at[pl.ds(row0, bn), pl.ds(col0, bk)], _tile_mask(row_mask, col_mask, (bn, bk)))
         if dot:
@@ -246,8 +231,7 @@ def _block_product(x_refs: _XRefs, w_ref, add_refs, o_ref, row0, *, bn: int, bk:
         return tuple(acc[m] + jnp.sum(w * x_at(m, col0).astype(jnp.float32), axis=1) for m in range(m_rows))
 
     init = jnp.zeros((DOT_ROWS, bn), jnp.float32) if dot else (jnp.zeros((bn,), jnp.float32),) * m_rows
-    unlooped = row_steps > 1 and depth <= bk
-    acc = step(0, init) if unlooped else jax.lax.fori_loop(0, pl.cdiv(depth, bk), step, init)
+    acc = jax.lax.fori_loop(0, pl.cdiv(depth, bk), step, init)
 
     def epilogue(y, rows, mask):
         y = y.astype(o_ref.dtype)
@@ -278,20 +262,10 @@ def _matvecs_kernel(*refs, parts: tuple[_Part, ...], n_adds: tuple[int, ...], bk
     add_refs = [[refs.pop(0) for _ in range(n)] for n in n_adds]
     program = pl.program_id(0)
     for w_ref, adds, o_ref, part in zip(w_refs, add_refs, refs, parts):
-        @pl.when((program >= part.first) & (program < part.first + part.programs))
+        @pl.when((program >= part.first) & (program < part.first + part.blocks))
         def _(w_ref=w_ref, adds=adds, o_ref=o_ref, part=part):
-            first_row = (program - part.first) * part.bn * part.steps
-            product = functools.partial(_block_product, x_refs, w_ref, adds, o_ref, bn=part.bn, bk=bk, dot=dot,
-                                        prologue=prologue, row_steps=part.steps)
-            if part.steps == 1:
-                product(pl.multiple_of(first_row, part.bn))
-                return
-
-            def block(r, carry):
-                product(pl.multiple_of(first_row + r * part.bn, part.bn))
-                return carry
-
-            jax.lax.fori_loop(0, part.steps, block, None)
+            row0 = pl.multiple_of((program - part.first) * part.bn, part.bn)
+            _block_product(x_refs, w_ref, adds, o_ref, row0, bn=part.bn, bk=bk, dot=dot, prologue=prologue)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtypes", "prologue", "blocks", "interpret"))
@@ -299,7 +273,7 @@ def _matvecs(x, second, norm_weight, weights, adds, *, out_dtypes, prologue: Pro
              interpret: bool):
     m_rows, depth = x.shape
     min_bn = DOT_ROWS if blocks.dot else 1
-    parts = _parts([w.shape[0] for w in weights], blocks.bn, min_bn, blocks.row_steps)
+    parts = _parts([w.shape[0] for w in weights], blocks.bn, min_bn)
     bk = max(min(blocks.bk, pl.next_power_of_2(depth)), min_bn)
     params = triton_params(blocks.num_warps, blocks.num_stages, interpret)
     inputs = [a for a in (second, None if norm_weight is None else norm_weight.reshape(1, -1)) if a is not None]
@@ -307,7 +281,7 @@ def _matvecs(x, second, norm_weight, weights, adds, *, out_dtypes, prologue: Pro
         functools.partial(_matvecs_kernel, parts=parts, n_adds=tuple(len(a) for a in adds), bk=bk, dot=blocks.dot,
                           prologue=prologue),
         out_shape=tuple(jax.ShapeDtypeStruct((m_rows, w.shape[0]), d) for w, d in zip(weights, out_dtypes)),
-        grid=(parts[-1].first + parts[-1].programs,),
+        grid=(parts[-1].first + parts[-1].blocks,),
         compiler_params=params,
         interpret=interpret,
         name="matvecs",
