@@ -23,7 +23,7 @@ from k3jax.layers import basic
 from k3jax.memory import MXFP4_BYTES
 from k3jax.param_count import count_params
 
-from kernel_profile import dumped_source_paths, kernel_table
+from kernel_profile import chain_table, critical_path, device_times, dumped_hlo, kernel_table, source_paths
 
 
 def median_time(fn, reps: int = 10) -> float:
@@ -73,6 +73,8 @@ def main() -> None:
     ap.add_argument("--profile", default="", help="XLA dump folder (set XLA_FLAGS to dump there; see "
                     "kernel_profile.py): print where the device time of a decode step and a prefill chunk goes")
     ap.add_argument("--profile-top", type=int, default=25, help="rows per profile table")
+    ap.add_argument("--profile-gap", type=float, default=0.7,
+                    help="us a dependent kernel launch costs on the decode step's critical path (the H200: about 0.7)")
     args = ap.parse_args()
     if args.matvec_rows is not None:
         basic.MATVEC_KERNEL_ROWS = args.matvec_rows  # read when a step is traced
@@ -109,7 +111,11 @@ def main() -> None:
                     return state["token"]
 
                 print(f"\n## decode B={batch}, step {step * 1e6:,.0f} us")
-                print(kernel_table(once, dumped_source_paths(args.profile, "decode"), top=args.profile_top))
+                hlo, times = dumped_hlo(args.profile, "decode"), device_times(once)
+                print(kernel_table(times, source_paths(hlo), top=args.profile_top))
+                if hlo:
+                    print(chain_table(critical_path(hlo, times, args.profile_gap), source_paths(hlo), args.profile_gap,
+                                      top=args.profile_top))
             floor = decode_floor_bytes(cfg, counts, batch, args.prompt + 1) / bw
             row(f"decode B={batch}", f"{step * 1e3:.2f} ms", f"floor {floor * 1e3:.2f} ms", f"{step / floor:.1f}x floor",
                 f"{batch / step:,.0f} tok/s")
@@ -129,8 +135,9 @@ def main() -> None:
                 start, lengths = jnp.zeros((1,), jnp.int32), jnp.full((1,), T, jnp.int32)
                 print(f"\n## prefill chunk of 2048 tokens (of {T})")
                 last = jnp.full((1,), 2047, jnp.int32)
-                print(kernel_table(lambda: gen._extend(gen._weights, chunk, gen.init_cache(1), start, lengths, last)[0],
-                                   dumped_source_paths(args.profile, "extend"), calls=2, top=args.profile_top))
+                times = device_times(lambda: gen._extend(gen._weights, chunk, gen.init_cache(1), start, lengths, last)[0],
+                                     calls=2)
+                print(kernel_table(times, source_paths(dumped_hlo(args.profile, "extend")), top=args.profile_top))
             mla = cfg.mla
             head = cfg.vocab_size * cfg.hidden_size  # the output head runs on each prompt's last token only
             flops = 2 * (counts.active - head) * T + 2 * head + cfg.layer_types.count("mla") * 2 * T * T * (

@@ -1,18 +1,28 @@
-"""Where the device time of a jitted call goes: a profiler trace, summed per kernel and per model part.
+"""Where the device time of a jitted call goes: a profiler trace, summed per kernel and per model part,
+and the chain of kernels that the call's dependencies force (its critical path).
 
-    table = kernel_table(run_once, paths, calls=5)
+    times = device_times(run_once, calls=5)
+    print(kernel_table(times, paths))
+    print(chain_table(critical_path(hlo, times), paths))
 
 ``run_once()`` makes one call (a closure, so it can thread a donated cache from call to call);
-``paths`` maps HLO instruction names to source paths: ``dumped_source_paths(folder, "decode")`` reads
-them from the optimized HLO that XLA wrote when run with
-``XLA_FLAGS="--xla_dump_to=folder --xla_dump_hlo_as_text --xla_dump_hlo_module_re=..."``
-(so nothing compiles twice).
+``hlo`` is the optimized HLO text that XLA wrote when run with
+``XLA_FLAGS="--xla_dump_to=folder --xla_dump_hlo_as_text --xla_dump_hlo_module_re=..."`` (so nothing
+compiles twice): ``dumped_hlo(folder, "decode")``; ``paths`` maps its instruction names to source paths,
+``source_paths(hlo)``.
 
 Each kernel's HLO op is mapped to its JAX source path (the ``op_name`` in the compiled HLO's metadata),
 so fusions read as "moe/..." (the model's named scopes) rather than "fusion.123"; ops the dump does
 not name show as "?". Works on any backend that records device events (GPU); elsewhere the table is
 empty. With XLA's command buffers (CUDA graphs, on by default) a whole step is one event; add
 ``--xla_gpu_enable_command_buffer=`` to XLA_FLAGS to see its kernels (the step then runs slower).
+
+The critical path: in the decode step's command buffer in XLA's concurrent order
+(``k3jax.inference.DECODE_GPU_OPTIONS``) a kernel starts once the kernels it reads from are done, so the
+step takes about its longest chain of dependent kernels, each with one launch gap (about 0.7 us on the
+H200), and kernels beside that chain cost nothing (benchmarks/RESULTS.md, issue 4, eighteenth session).
+``critical_path`` finds that chain in the entry computation's operand graph, weighing each instruction by
+its kernels' device time (from a profile with command buffers off) plus a gap per kernel.
 """
 
 from __future__ import annotations
@@ -22,23 +32,29 @@ import glob
 import re
 import tempfile
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 from jax.profiler import ProfileData
 
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = (.*)$")
+_NAME = re.compile(r"%([\w.\-]+)")
 _OP_NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*?metadata=\{[^}]*op_name=\"([^\"]+)\"", re.M)
 _SKIP_LINES = ("XLA Modules", "XLA Ops", "Steps", "Launch Stats", "Source code", "TraceMe")
 
 
-def dumped_source_paths(folder: str, module: str) -> dict[str, str]:
-    """HLO instruction name -> JAX op_name, from the optimized HLO text of the newest dumped module
-    whose name contains ``module``."""
+def dumped_hlo(folder: str, module: str) -> str:
+    """The optimized HLO text of the newest dumped module whose name contains ``module`` ("" if none)."""
     files = sorted(glob.glob(f"{folder}/**/*{module}*after_optimizations.txt", recursive=True))
     if not files:
-        return {}
+        return ""
     with open(files[-1]) as f:
-        return dict(_OP_NAME.findall(f.read()))
+        return f.read()
+
+
+def source_paths(hlo: str) -> dict[str, str]:
+    """HLO instruction name -> JAX op_name (its metadata)."""
+    return dict(_OP_NAME.findall(hlo))
 
 
 def short_path(op_name: str, depth: int = 4) -> str:
@@ -61,9 +77,17 @@ def _device_events(xspace_path: str):
                 yield str(stats.get("hlo_op", ev.name)), ev.duration_ns / 1e3
 
 
-def kernel_table(run_once: Callable[[], Any], paths: dict[str, str], calls: int = 5, top: int = 25) -> str:
-    """Call ``run_once`` ``calls`` times under the profiler; return a text table of device
-    microseconds per call by HLO op and by source path."""
+class DeviceTimes(NamedTuple):
+    """Per call: device us by HLO op, kernels by HLO op, and the wall time in us."""
+
+    us: dict[str, float]
+    kernels: dict[str, float]
+    wall: float
+
+
+def device_times(run_once: Callable[[], Any], calls: int = 5) -> DeviceTimes:
+    """Call ``run_once`` ``calls`` times under the profiler; device microseconds and kernels per call by
+    HLO op."""
     jax.block_until_ready(run_once())
     folder = tempfile.mkdtemp()
     with jax.profiler.trace(folder):
@@ -73,18 +97,91 @@ def kernel_table(run_once: Callable[[], Any], paths: dict[str, str], calls: int 
         jax.block_until_ready(out)
         wall = (time.perf_counter() - t) / calls * 1e6
     files = glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)
-    by_op, by_path = collections.Counter(), collections.Counter()
-    count = collections.Counter()
-    for name, us in _device_events(files[0]) if files else ():
-        by_op[name] += us / calls
-        count[name] += 1 / calls
-        by_path[short_path(paths.get(name, name), depth=2)] += us / calls
-    total = sum(by_op.values())
-    lines = [f"device busy {total:,.0f} us per call over {sum(count.values()):.0f} kernels; wall {wall:,.0f} us per call"]
+    us, kernels = collections.Counter(), collections.Counter()
+    for name, duration in _device_events(files[0]) if files else ():
+        us[name] += duration / calls
+        kernels[name] += 1 / calls
+    return DeviceTimes(dict(us), dict(kernels), wall)
+
+
+def kernel_table(times: DeviceTimes, paths: dict[str, str], top: int = 25) -> str:
+    """A text table of device microseconds per call by HLO op and by source path."""
+    by_op = collections.Counter(times.us)
+    by_path = collections.Counter()
+    for name, us in by_op.items():
+        by_path[short_path(paths.get(name, name), depth=2)] += us
+    lines = [f"device busy {sum(by_op.values()):,.0f} us per call over {sum(times.kernels.values()):.0f} kernels; "
+             f"wall {times.wall:,.0f} us per call"]
     lines.append(f"{'us/call':>9} {'n/call':>6}  op -> source")
     for name, us in by_op.most_common(top):
-        lines.append(f"{us:9.1f} {count[name]:6.1f}  {name} -> {short_path(paths.get(name, '?'))}")
+        lines.append(f"{us:9.1f} {times.kernels[name]:6.1f}  {name} -> {short_path(paths.get(name, '?'))}")
     lines.append(f"{'us/call':>9}  by source path")
     for path, us in by_path.most_common(top):
         lines.append(f"{us:9.1f}  {path}")
+    return "\n".join(lines)
+
+
+def entry_operands(hlo: str) -> list[tuple[str, list[str]]]:
+    """The entry computation's instructions in order (operands before users), each with the names of
+    its operands (computations it calls and attribute text are not operands)."""
+    entry = re.search(r"^ENTRY ", hlo, re.M)
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text")
+    lines = hlo[entry.start():].split("\n")[1:]
+    out = []
+    for line in lines:
+        if line.startswith("}"):
+            break
+        match = _INSTRUCTION.match(line)
+        if not match:
+            continue
+        name, rhs = match.groups()
+        i = _skip_parens(rhs, 0) if rhs.startswith("(") else rhs.index(" ")  # the shape
+        opened = rhs.index("(", i)
+        out.append((name, _NAME.findall(rhs[opened:_skip_parens(rhs, opened)])))
+    return out
+
+
+def _skip_parens(text: str, start: int) -> int:
+    """The index just past the parenthesis that closes the one at ``start``."""
+    depth = 0
+    for i in range(start, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        if depth == 0:
+            return i + 1
+    raise ValueError(f"unbalanced parentheses in HLO: {text[start:start + 80]}")
+
+
+class ChainLink(NamedTuple):
+    name: str
+    us: float
+    kernels: float
+
+
+def critical_path(hlo: str, times: DeviceTimes, gap_us: float = 0.7) -> list[ChainLink]:
+    """The entry computation's longest chain of dependent instructions, each weighed by its kernels'
+    device time per call plus ``gap_us`` per kernel; the instructions on it that run kernels, in order."""
+    weight = lambda name: times.us.get(name, 0.0) + gap_us * times.kernels.get(name, 0.0)
+    longest, before = {}, {}
+    for name, operands in entry_operands(hlo):
+        known = [o for o in operands if o in longest]
+        before[name] = max(known, key=longest.get, default=None)
+        longest[name] = weight(name) + (longest[before[name]] if before[name] else 0.0)
+    chain, name = [], max(longest, key=longest.get, default=None)
+    while name is not None:
+        if name in times.us:
+            chain.append(ChainLink(name, times.us[name], times.kernels[name]))
+        name = before[name]
+    return chain[::-1]
+
+
+def chain_table(chain: list[ChainLink], paths: dict[str, str], gap_us: float = 0.7, top: int = 25) -> str:
+    """The critical path summed: its kernels' time, its gaps, and the time by source path."""
+    kernels, busy = sum(link.kernels for link in chain), sum(link.us for link in chain)
+    by_path = collections.Counter()
+    for link in chain:
+        by_path[short_path(paths.get(link.name, link.name), depth=2)] += link.us + gap_us * link.kernels
+    lines = [f"critical path {busy + gap_us * kernels:,.1f} us: {busy:,.1f} us in {kernels:.0f} kernels + "
+             f"{gap_us} us a launch gap", f"{'us/call':>9}  by source path (gaps included)"]
+    lines += [f"{us:9.1f}  {path}" for path, us in by_path.most_common(top)]
     return "\n".join(lines)

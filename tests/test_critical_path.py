@@ -1,0 +1,78 @@
+"""The decode step's critical path (benchmarks/kernel_profile.py): the longest chain of dependent kernels in
+an HLO module's entry computation, each weighed by its device time plus a launch gap."""
+
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from kernel_profile import DeviceTimes, chain_table, critical_path, entry_operands  # noqa: E402
+
+# Two chains into k3 (k1 -> k3, k2 -> k3 through a tuple and a get-tuple-element) and k4 on its own; a called
+# computation, tuple shapes, a TPU-style layout with parentheses and a backend config holding '%' names
+# must not read as operands.
+HLO = """HloModule decode, entry_computation_layout={(f32[2]{0})->f32[2]{0}}
+
+%fused_computation.1 (param_0: f32[2]) -> f32[2] {
+  %param_0 = f32[2]{0} parameter(0)
+  ROOT %k9 = f32[2]{0} sine(%param_0)
+}
+
+ENTRY %main.9 (a: f32[2], b: (f32[2], s32[])) -> (f32[2], f32[2]) {
+  %a = f32[2]{0} parameter(0), metadata={op_name="a"}
+  %b = (f32[2]{0:T(8,128)}, s32[]) parameter(1)
+  %gte = f32[2]{0} get-tuple-element(%b), index=0
+  %k1 = f32[2]{0} fusion(%a), kind=kLoop, calls=%fused_computation.1, metadata={op_name="jit(step)/kda/mix"}
+  %k2 = f32[2]{0} fusion(%gte), kind=kLoop, calls=%fused_computation.1, metadata={op_name="jit(step)/moe/pick"}
+  %pair = (f32[2]{0}, f32[2]{0}) tuple(%k1, %k2)
+  %k2b = f32[2]{0} get-tuple-element(%pair), index=1
+  %k3 = f32[2]{0} custom-call(%k1, %k2b), custom_call_target="triton", backend_config={"ir": "%k4 = %a"}, metadata={op_name="jit(step)/moe/down"}
+  %k4 = f32[2]{0} fusion(%a), kind=kLoop, calls=%fused_computation.1, metadata={op_name="jit(step)/head"}
+  ROOT %out = (f32[2]{0}, f32[2]{0}) tuple(%k3, %k4)
+}
+"""
+PATHS = {"k1": "jit(step)/kda/mix", "k2": "jit(step)/moe/pick", "k3": "jit(step)/moe/down", "k4": "jit(step)/head"}
+
+
+def test_entry_operands_reads_only_the_operand_lists():
+    operands = dict(entry_operands(HLO))
+    assert list(operands) == ["a", "b", "gte", "k1", "k2", "pair", "k2b", "k3", "k4", "out"]
+    assert operands["b"] == [] and operands["gte"] == ["b"] and operands["k1"] == ["a"]
+    assert operands["k3"] == ["k1", "k2b"] and operands["out"] == ["k3", "k4"]
+
+
+@pytest.mark.parametrize("gap,k2_us,expected", [
+    (1.0, 3.0, ["k1", "k3"]),         # k1 -> k3: 6 + 3 = 9 > k4: 8.5 > k2 -> k3: 4 + 3 = 7
+    (1.0, 6.0, ["k2", "k3"]),         # k2 -> k3: 7 + 3 = 10
+    (0.0, 3.0, ["k4"]),               # without gaps k4 alone (7.5) outweighs k1 -> k3 (5 + 2)
+])
+def test_critical_path_by_hand(gap, k2_us, expected):
+    times = DeviceTimes({"k1": 5.0, "k2": k2_us, "k3": 2.0, "k4": 7.5}, {"k1": 1, "k2": 1, "k3": 1, "k4": 1}, 0.0)
+    chain = critical_path(HLO, times, gap)
+    assert [link.name for link in chain] == expected
+    total = sum(times.us[n] + gap for n in expected)
+    assert chain_table(chain, PATHS, gap).startswith(f"critical path {total:,.1f} us: ")
+
+
+@pytest.mark.parametrize("k3_kernels,expected", [(1, ["k4"]), (2, ["k1", "k3"])])
+def test_each_kernel_of_an_instruction_pays_a_gap(k3_kernels, expected):
+    """k3's 2 us as one kernel: k1 -> k3 weighs 6 + 3 = 9 < k4's 9.7; as two kernels 6 + 4 = 10 > 9.7."""
+    times = DeviceTimes({"k1": 5.0, "k3": 2.0, "k4": 8.7}, {"k1": 1, "k3": k3_kernels, "k4": 1}, 0.0)
+    assert [link.name for link in critical_path(HLO, times, 1.0)] == expected
+
+
+def test_compiled_modules_parse_in_operand_order():
+    """On a real optimized module every operand of an entry instruction is an earlier entry instruction."""
+    def f(x, w):
+        h = jnp.tanh(x @ w)
+        return (h @ w.T).sum(), jnp.sin(x).mean()
+
+    hlo = jax.jit(f).lower(jnp.ones((4, 8)), jnp.ones((8, 8))).compile().as_text()
+    seen = set()
+    for name, operands in entry_operands(hlo):
+        assert set(operands) <= seen, (name, operands)
+        seen.add(name)
+    assert len(seen) >= 4
