@@ -160,7 +160,10 @@ class ChainLink(NamedTuple):
 
 def critical_path(hlo: str, times: DeviceTimes, gap_us: float = 0.7) -> list[ChainLink]:
     """The entry computation's longest chain of dependent instructions, each weighed by its kernels'
-    device time per call plus ``gap_us`` per kernel; the instructions on it that run kernels, in order."""
+    device time per call plus ``gap_us`` per kernel; the instructions on it that run kernels, in order.
+    Kernels of instructions inside called computations (a loop's body, a conditional's branches) are not
+    entry instructions and count for nothing here (on a GPU the step's Pallas kernels are entry custom calls
+    and its fusions entry fusions; in interpret mode on a CPU the kernels are loops)."""
     weight = lambda name: times.us.get(name, 0.0) + gap_us * times.kernels.get(name, 0.0)
     longest, before = {}, {}
     for name, operands in entry_operands(hlo):
