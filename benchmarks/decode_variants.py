@@ -20,7 +20,10 @@ Each switch turns one change off (module attributes read while a step is traced)
 - one-kernel MoE: ``pallas_kernels.mx_matmul.SPLIT_MIN_TOKENS`` out of reach (the fused MoE as its one
   kernel with atomic adds at every batch, not the two kernels without atomics);
 - selection kernel: ``MoE._routes_in_kernel`` False (at one token the experts are picked by the selection
-  kernel before the fused MoE, not by its hidden programs).
+  kernel before the fused MoE, not by its hidden programs);
+- interleaved h: ``pallas_kernels.mx_matmul.moe_split.PLANAR_H`` False (the two-kernel MoE's h stored in
+  unit order, read by the down kernel with stride 2 and converted to the decoded tiles' layout through
+  shared memory, not stored planar).
 A candidate turns a form on that is not the default yet (``CANDIDATES``, ``(owner, attribute, value with it
 on)``; none now: the nineteenth session's MLA decode kernel and tile candidates are in benchmarks/RESULTS.md).
 Variants: the default, each switch alone, each candidate alone, all the changes off. Also prints each
@@ -41,6 +44,7 @@ import k3jax.inference as inference
 import k3jax.layers.kda as kda
 import k3jax.model as model_module
 import pallas_kernels.mx_matmul as mx_matmul
+import pallas_kernels.mx_matmul.moe_split as moe_split
 from k3jax import Generator, K3Model, preset, use_implementation
 from k3jax.layers import basic
 from k3jax.layers.mla import MLA
@@ -58,6 +62,7 @@ OFF = {  # a change's name -> (owner, attribute, value with the change off)
     "serial command buffer": (inference, "DECODE_GPU_OPTIONS", {}),
     "one-kernel MoE": (mx_matmul, "SPLIT_MIN_TOKENS", 1 << 30),
     "selection kernel": (MoE, "_routes_in_kernel", lambda self, tokens: False),
+    "interleaved h": (moe_split, "PLANAR_H", False),
 }
 CANDIDATES: dict[str, tuple[object, str, object]] = {}
 SWITCHES = Switches(OFF, CANDIDATES)

@@ -213,6 +213,31 @@ def test_fused_moe_tiles_and_repeated_experts(fused, dtype):
     np.testing.assert_array_equal(np.float32(sums.astype(dtype)), np.float32(out))  # the same sums, unrounded
 
 
+@pytest.mark.parametrize("tiles,tokens", [({}, 1), (TILED_MOE[fused_moe_mx_split], 4)])
+def test_split_moe_h_planar_equals_interleaved(monkeypatch, tiles, tokens):
+    """The two kernels with h planar between them (``PLANAR_H``; 8 units of a parity a hidden program at the
+    default tiles, 32 over two blocks at the tiled ones) give the interleaved form's sums: the same products
+    in the same order, only stored and loaded differently (the row sums' reduction order may differ with
+    the tensors' shapes: float32 rounding)."""
+    from pallas_kernels.mx_matmul import moe_split
+
+    E, F, R, k = 5, 128, 256, 3
+    keys = jax.random.split(jax.random.key(22), 5)
+    w1, w3 = (MXTensor.quantize(jax.random.normal(kk, (E, F, R)) * R**-0.5) for kk in keys[:2])
+    w2 = MXTensor.quantize(jax.random.normal(keys[2], (E, R, F)) * F**-0.5)
+    x = bf16_normal(keys[3], (tokens, R))
+    experts = jnp.array([[2, 2, 0], [4, 1, 2], [0, 3, 1], [3, 3, 3]], jnp.int32)[:tokens]
+    weights = jax.random.uniform(keys[4], (tokens, k))
+    sums = {}
+    for planar in (False, True):
+        monkeypatch.setattr(moe_split, "PLANAR_H", planar)
+        sums[planar] = np.asarray(fused_moe_mx_split(x, w1, w3, w2, weights, experts, situ, **tiles,
+                                                     out_dtype=jnp.float32))
+    assert rel_err(sums[True], sums[False]) < 1e-6
+    ref = moe_dense(x.astype(jnp.float32), *(w.decode(jnp.float32) for w in (w1, w3, w2)), weights, experts, situ)
+    assert rel_err(sums[True], ref) < 1e-5
+
+
 @pytest.mark.parametrize("fused,tokens", [(fused_moe_mx, 2), (fused_moe_mx_split, 1), (fused_moe_mx_split, 2)])
 def test_fused_moe_lowers_for_cuda_through_triton(fused, tokens):
     """Pallas' Triton lowering of the fused MoE (x's even / odd columns by strided loads), on the CPU; the

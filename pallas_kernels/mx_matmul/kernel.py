@@ -221,9 +221,11 @@ def _ptx_decode_emulated(codes: Array, scale: Array) -> tuple[Array, Array]:
     return planes[0], planes[1]
 
 
-def decode_weight_planes(codes: Array, scales: Array, method: str, interpret: bool) -> tuple[Array, Array]:
+def decode_weight_planes(codes: Array, scales: Array, method: str, interpret: bool, *,
+                         blocked: bool = False) -> tuple[Array, Array]:
     """uint8 [bn, g, 16] packed E2M1 pairs (g scale blocks of 16 bytes), uint8 [bn, g, 1] scales
-    -> two bf16 [bn, 16 g] planes: the even elements (low nibbles) and the odd (high nibbles).
+    -> two bf16 [bn, 16 g] planes (with ``blocked``: [bn, g, 16], as loaded): the even elements (low
+    nibbles) and the odd (high nibbles).
 
     Splitting by nibble instead of interleaving keeps every tile in its loaded layout; the caller
     multiplies each plane by the matching even / odd columns of x.
@@ -235,7 +237,7 @@ def decode_weight_planes(codes: Array, scales: Array, method: str, interpret: bo
     else:
         decode = _ptx_decode_emulated if interpret else _ptx_decode
         planes = decode(codes, jnp.broadcast_to(scale.astype(COMPUTE_DTYPE), codes.shape))
-    return tuple(p.reshape(bn, g * width) for p in planes)
+    return tuple(planes) if blocked else tuple(p.reshape(bn, g * width) for p in planes)
 
 
 def decode_activation_tile(values: Array, scales: Array | None) -> Array:

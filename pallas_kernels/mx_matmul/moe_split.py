@@ -5,7 +5,7 @@
 1. the hidden kernel, one program per (pair, block of bf hidden units): gate and up for its bf rows
    of w1 and w3 by one-row products (decoded codes times the matching even / odd columns of x on
    the CUDA cores), then h = act(gate, up), rounded to x's dtype as the reference's matmul outputs
-   are, into a float32 buffer h [T*k, F];
+   are, into a float32 buffer h [T*k, F] (planar: ``PLANAR_H``);
 2. the down kernel, one program per (token, block of br output rows): for each of the token's k
    pairs and each tile of bfb hidden units, w2[e]'s br rows times the pair's h scaled by its
    routing weight; each output row is written once.
@@ -50,33 +50,58 @@ def _accumulate(acc: Array, tile: tuple[Array, Array], vectors: tuple[Array, Arr
                 interpret: bool) -> Array:
     """acc float32 [rows, n/2] + the decoded tile (codes uint8 [rows, n/32, 16], scales [..., 1];
     its even, odd planes [rows, n/2]) times the float32 vectors [n/2] of the matching even / odd
-    columns, elementwise (no reduction, so no barrier)."""
-    for w, v in zip(decode_weight_planes(*tile, method, interpret), vectors):
-        acc = acc + w.astype(jnp.float32) * v[None, :]
+    columns, elementwise (no reduction, so no barrier). With vectors [n/32, 16] (a planar h), acc and
+    the planes keep the tile's blocks: [rows, n/32, 16]."""
+    blocked = vectors[0].ndim == 2
+    for w, v in zip(decode_weight_planes(*tile, method, interpret, blocked=blocked), vectors):
+        acc = acc + w.astype(jnp.float32) * v[None]
     return acc
 
 
+def _row_groups(first, bf: int, planar: bool) -> list:
+    """A hidden program's rows of w1 and w3: its bf rows from ``first``, or (planar h) its even rows, then
+    its odd ones."""
+    if not planar:
+        return [pl.ds(pl.multiple_of(first, bf), bf)]
+    return [pl.ds(first + parity, bf // 2, stride=2) for parity in (0, 1)]
+
+
+def _store_h(h_ref, pair, first, rows: int, h: Array, planar: bool, parity: int) -> None:
+    """Store a hidden program's h for its ``rows`` units from ``first`` (planar: the units of one parity,
+    into h [T*k, F/32, 2, 16], whose block b holds units 32 b, 32 b + 2, ..., then 32 b + 1, ...)."""
+    if not planar:
+        h_ref[pair, pl.ds(pl.multiple_of(first, rows), rows)] = h
+    elif rows <= 16:  # within one block of 32 units
+        h_ref[pair, first // BLOCK, jnp.int32(parity), pl.ds((first % BLOCK) // 2, rows)] = h
+    else:
+        h_ref[pair, pl.ds(first // BLOCK, rows // 16), jnp.int32(parity), :] = h.reshape(rows // 16, 16)
+
+
 def _hidden_products(expert, token, x_ref, w1c_ref, w1s_ref, w3c_ref, w3s_ref, h_ref, *, bf: int, bk: int, act,
-                     h_dtype, method: str, interpret: bool) -> None:
-    """Refs: x [T, R] bf16; w1, w3 codes [E, F, R/32, 16] and scales [..., 1]; h [T*k, F] float32.
-    Program (pair, block of bf hidden units) with the pair's expert and token: R / bk tiles of bk
-    contracted elements."""
+                     h_dtype, method: str, planar: bool, interpret: bool) -> None:
+    """Refs: x [T, R] bf16; w1, w3 codes [E, F, R/32, 16] and scales [..., 1]; h [T*k, F] float32, or
+    planar [T*k, F/32, 2, 16] (``_store_h``). Program (pair, block of bf hidden units) with the pair's
+    expert and token: R / bk tiles of bk contracted elements (planar: for its even and its odd units)."""
     pair, block = pl.program_id(0), pl.program_id(1)
     R = x_ref.shape[1]
-    rows = pl.ds(pl.multiple_of(block * bf, bf), bf)
+    first = block * bf
     g, half = bk // BLOCK, bk // 2
     steps = range(R // bk)
-    tiles = [[(c[expert, rows, pl.ds(i * g, g), :], s[expert, rows, pl.ds(i * g, g), :]) for i in steps]
-             for c, s in ((w1c_ref, w1s_ref), (w3c_ref, w3s_ref))]
+    groups = _row_groups(first, bf, planar)
+    tiles = [[[(c[expert, rows, pl.ds(i * g, g), :], s[expert, rows, pl.ds(i * g, g), :]) for i in steps]
+              for c, s in ((w1c_ref, w1s_ref), (w3c_ref, w3s_ref))] for rows in groups]
     x = [[x_ref[token, pl.ds(i * bk + parity, half, stride=2)].astype(jnp.float32) for parity in (0, 1)]
          for i in steps]
-    gate, up = [], []
-    for sums, stack_tiles in zip((gate, up), tiles):
-        acc = jnp.zeros((bf, half), jnp.float32)
-        for tile, vectors in zip(stack_tiles, x):
-            acc = _accumulate(acc, tile, vectors, method, interpret)
-        sums.append(jnp.sum(acc, axis=1).astype(h_dtype))
-    h_ref[pair, rows] = act(gate[0], up[0]).astype(h_dtype).astype(jnp.float32)
+    units = bf // len(groups)
+    for parity, group_tiles in enumerate(tiles):
+        gate, up = [], []
+        for sums, stack_tiles in zip((gate, up), group_tiles):
+            acc = jnp.zeros((units, half), jnp.float32)
+            for tile, vectors in zip(stack_tiles, x):
+                acc = _accumulate(acc, tile, vectors, method, interpret)
+            sums.append(jnp.sum(acc, axis=1).astype(h_dtype))
+        h = act(gate[0], up[0]).astype(h_dtype).astype(jnp.float32)
+        _store_h(h_ref, pair, first, units, h, planar, parity)
 
 
 def _hidden_kernel(experts_ref, x_ref, w1c_ref, w1s_ref, w3c_ref, w3s_ref, h_ref, *, k: int, **products):
@@ -104,32 +129,41 @@ def _routed_hidden_kernel(logits_ref, bias_ref, x_ref, w1c_ref, w1s_ref, w3c_ref
 
 def _down_kernel(experts_ref, weights_ref, h_ref, w2c_ref, w2s_ref, y_ref, *, k: int, br: int, bfb: int,
                  method: str, interpret: bool):
-    """Refs: experts, weights [T*k]; h [T*k, F] float32; w2 codes [E, R, F/32, 16] and scales
-    [..., 1]; y [T, R]. Program (token, block of br output rows): the token's k pairs, F / bfb
-    tiles each; these rows are written by this program only."""
+    """Refs: experts, weights [T*k]; h [T*k, F] float32, or planar [T*k, F/32, 2, 16]; w2 codes [E, R,
+    F/32, 16] and scales [..., 1]; y [T, R]. Program (token, block of br output rows): the token's k pairs,
+    F / bfb tiles each; these rows are written by this program only. A planar h's planes load whole
+    [bfb/32, 16] blocks, in the layout of the decoded tile they multiply."""
     token, block = pl.program_id(0), pl.program_id(1)
     rows = pl.ds(pl.multiple_of(block * br, br), br)
-    F = h_ref.shape[1]
+    planar = h_ref.ndim == 4
+    F = w2c_ref.shape[2] * BLOCK
     g, half = bfb // BLOCK, bfb // 2
     pairs = [token * k + j for j in range(k)]
     chunks = range(F // bfb)
     experts = [experts_ref[p] for p in pairs]
     tiles = [[(w2c_ref[e, rows, pl.ds(c * g, g), :], w2s_ref[e, rows, pl.ds(c * g, g), :]) for c in chunks]
              for e in experts]
-    acc = jnp.zeros((br, half), jnp.float32)
+
+    def plane(pair, c, parity):
+        if planar:
+            return h_ref[pair, pl.ds(c * g, g), jnp.int32(parity), :]
+        return h_ref[pair, pl.ds(c * bfb + parity, half, stride=2)]
+
+    acc = jnp.zeros((br, g, 16) if planar else (br, half), jnp.float32)
     for pair, pair_tiles in zip(pairs, tiles):
         weight = weights_ref[pair]
         for c, tile in zip(chunks, pair_tiles):
-            h = [weight * h_ref[pair, pl.ds(c * bfb + parity, half, stride=2)] for parity in (0, 1)]
-            acc = _accumulate(acc, tile, h, method, interpret)
-    y_ref[token, rows] = jnp.sum(acc, axis=1).astype(y_ref.dtype)
+            acc = _accumulate(acc, tile, [weight * plane(pair, c, parity) for parity in (0, 1)], method, interpret)
+    y_ref[token, rows] = jnp.sum(acc.reshape(br, half), axis=1).astype(y_ref.dtype)
 
 
-def _hidden_call(kernel, T: int, k: int, F: int, blocks: MXBlocks, outputs: tuple, interpret: bool):
-    """The hidden kernel's pallas_call: grid (pairs, F / bn), h [T*k, F] float32 first among its outputs."""
+def _hidden_call(kernel, T: int, k: int, F: int, blocks: MXBlocks, outputs: tuple, planar: bool, interpret: bool):
+    """The hidden kernel's pallas_call: grid (pairs, F / bn), h float32 first among its outputs ([T*k, F],
+    or planar [T*k, F/32, 2, 16])."""
+    h_shape = (T * k, F // BLOCK, 2, BLOCK // 2) if planar else (T * k, F)
     return pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((T * k, F), jnp.float32), *outputs),
+        out_shape=(jax.ShapeDtypeStruct(h_shape, jnp.float32), *outputs),
         grid=(T * k, F // blocks.bn),
         compiler_params=triton_params(blocks.num_warps, blocks.num_stages, interpret),
         interpret=interpret,
@@ -150,32 +184,33 @@ def _down_call(experts, weights, h, w2: MXTensor, T: int, R: int, down_blocks: M
     )(experts, weights, h, *_stack_views(w2, False))
 
 
-def _products(x, blocks: MXBlocks, act, interpret: bool) -> dict:
-    return dict(bf=blocks.bn, bk=blocks.bk, act=act, h_dtype=x.dtype, method=blocks.decode, interpret=interpret)
+def _products(x, blocks: MXBlocks, act, planar: bool, interpret: bool) -> dict:
+    return dict(bf=blocks.bn, bk=blocks.bk, act=act, h_dtype=x.dtype, method=blocks.decode, planar=planar,
+                interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("act", "blocks", "down_blocks", "out_dtype", "interpret"))
+@functools.partial(jax.jit, static_argnames=("act", "blocks", "down_blocks", "out_dtype", "planar", "interpret"))
 def _fused_moe_mx_split(x, w1, w3, w2, weights, experts, *, act, blocks: MXBlocks, down_blocks: MXBlocks,
-                        out_dtype, interpret: bool):
+                        out_dtype, planar: bool, interpret: bool):
     T, R = x.shape
     k = experts.shape[1]
     experts, weights = experts.reshape(-1).astype(jnp.int32), weights.reshape(-1).astype(jnp.float32)
-    kernel = functools.partial(_hidden_kernel, k=k, **_products(x, blocks, act, interpret))
-    h = _hidden_call(kernel, T, k, w1.shape[1], blocks, (), interpret)(
+    kernel = functools.partial(_hidden_kernel, k=k, **_products(x, blocks, act, planar, interpret))
+    h = _hidden_call(kernel, T, k, w1.shape[1], blocks, (), planar, interpret)(
         experts, x.astype(jnp.bfloat16), *_stack_views(w1, False), *_stack_views(w3, False))[0]
     return _down_call(experts, weights, h, w2, T, R, down_blocks, out_dtype, blocks.decode, interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("act", "k", "renormalize", "scaling", "blocks", "down_blocks",
-                                             "out_dtype", "interpret"))
+                                             "out_dtype", "planar", "interpret"))
 def _routed_moe_mx_split(x, w1, w3, w2, logits, correction_bias, *, act, k: int, renormalize: bool, scaling: float,
-                         blocks: MXBlocks, down_blocks: MXBlocks, out_dtype, interpret: bool):
+                         blocks: MXBlocks, down_blocks: MXBlocks, out_dtype, planar: bool, interpret: bool):
     T, R = x.shape
     logits, bias = padded_router_inputs(logits, correction_bias)
     kernel = functools.partial(_routed_hidden_kernel, k=k, renormalize=renormalize, scaling=scaling,
-                               **_products(x, blocks, act, interpret))
+                               **_products(x, blocks, act, planar, interpret))
     pairs = (jax.ShapeDtypeStruct((T * k,), jnp.int32), jax.ShapeDtypeStruct((T * k,), jnp.float32))
-    h, experts, weights = _hidden_call(kernel, T, k, w1.shape[1], blocks, pairs, interpret)(
+    h, experts, weights = _hidden_call(kernel, T, k, w1.shape[1], blocks, pairs, planar, interpret)(
         logits, bias, x.astype(jnp.bfloat16), *_stack_views(w1, False), *_stack_views(w3, False))
     return _down_call(experts, weights, h, w2, T, R, down_blocks, out_dtype, blocks.decode, interpret)
 
@@ -189,6 +224,13 @@ SPLIT_MOE_DOWN_BLOCKS = MXBlocks(bm=1, bn=8, bk=256, num_warps=4, num_stages=1, 
 # with the weights from DRAM (15.2 us a layer against 16.0 with the tiles above; at 8 tokens 79.9 against 63.5).
 SPLIT_MOE_DOWN_BLOCKS_ONE_TOKEN = MXBlocks(bm=1, bn=1, bk=256, num_warps=2, num_stages=1, gemv=True)
 SPLIT_MIN_TOKENS = 1  # tokens from which the MoE layer takes these two kernels over the one-kernel MoE
+# h between the two kernels, planar: [T*k, F/32, 2, 16], each block of 32 hidden units stored as its 16 even
+# units, then its 16 odd ones, so the down kernel loads each plane of h whole, in the layout of the decoded
+# w2 tile it multiplies. Interleaved ([T*k, F]), the down kernel reads each plane with stride 2, in a layout
+# Triton converts to the tile's through shared memory: two conversions per tile, 96 barriers a program at
+# `mini`'s one-token down tiles, none planar (sm_90 SASS by benchmarks/triton_sass.py; nineteenth session,
+# not yet timed on a GPU: the "interleaved h" switch of benchmarks/decode_variants.py). Read at the call.
+PLANAR_H = True
 
 
 def _fit(w1: MXTensor, tokens: int, blocks: MXBlocks | None, down_blocks: MXBlocks | None
@@ -200,7 +242,8 @@ def _fit(w1: MXTensor, tokens: int, blocks: MXBlocks | None, down_blocks: MXBloc
     if down_blocks is None:
         down_blocks = SPLIT_MOE_DOWN_BLOCKS_ONE_TOKEN if tokens == 1 else SPLIT_MOE_DOWN_BLOCKS
     scale_blocks = lambda n, cap: BLOCK * _largest_pow2_divisor(n // BLOCK, max(cap // BLOCK, 1))
-    blocks = dataclasses.replace(blocks, bn=_largest_pow2_divisor(F, blocks.bn), bk=scale_blocks(R, blocks.bk))
+    bn = _largest_pow2_divisor(F, max(blocks.bn, 2 if PLANAR_H else 1))  # planar h: even and odd units a program
+    blocks = dataclasses.replace(blocks, bn=bn, bk=scale_blocks(R, blocks.bk))
     down_blocks = dataclasses.replace(down_blocks, bn=_largest_pow2_divisor(R, down_blocks.bn),
                                       bk=scale_blocks(F, down_blocks.bk))
     return blocks, down_blocks
@@ -220,7 +263,8 @@ def fused_moe_mx_split(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, weigh
     blocks, down_blocks = _fit(w1, x.shape[0], blocks, down_blocks)
     interpret = pallas_interpret() if interpret is None else interpret
     return _fused_moe_mx_split(x, w1, w3, w2, weights, experts, act=act, blocks=blocks, down_blocks=down_blocks,
-                               out_dtype=jnp.dtype(x.dtype if out_dtype is None else out_dtype), interpret=interpret)
+                               out_dtype=jnp.dtype(x.dtype if out_dtype is None else out_dtype), planar=PLANAR_H,
+                               interpret=interpret)
 
 
 def routed_moe_mx_split(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, logits: Array, correction_bias: Array,
@@ -242,7 +286,8 @@ def routed_moe_mx_split(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, logi
     interpret = pallas_interpret() if interpret is None else interpret
     return _routed_moe_mx_split(x, w1, w3, w2, logits, correction_bias, act=act, k=k, renormalize=renormalize,
                                 scaling=float(scaling_factor), blocks=blocks, down_blocks=down_blocks,
-                                out_dtype=jnp.dtype(x.dtype if out_dtype is None else out_dtype), interpret=interpret)
+                                out_dtype=jnp.dtype(x.dtype if out_dtype is None else out_dtype), planar=PLANAR_H,
+                                interpret=interpret)
 
 
 __all__ = ["SPLIT_MIN_TOKENS", "SPLIT_MOE_BLOCKS", "SPLIT_MOE_DOWN_BLOCKS", "SPLIT_MOE_DOWN_BLOCKS_ONE_TOKEN",
