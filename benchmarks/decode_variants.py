@@ -20,12 +20,11 @@ Each switch turns one change off (module attributes read while a step is traced)
 - one-kernel MoE: ``pallas_kernels.mx_matmul.SPLIT_MIN_TOKENS`` out of reach (the fused MoE as its one
   kernel with atomic adds at every batch, not the two kernels without atomics);
 - selection kernel: ``MoE._routes_in_kernel`` False (at one token the experts are picked by the selection
-  kernel before the fused MoE, not by its hidden programs);
-- interleaved h: ``pallas_kernels.mx_matmul.moe_split.PLANAR_H`` False (the two-kernel MoE's h stored in
-  unit order, read by the down kernel with stride 2 and converted to the decoded tiles' layout through
-  shared memory, not stored planar).
-A candidate turns a form on that is not the default yet (``CANDIDATES``, ``(owner, attribute, value with it
-on)``; none now: the nineteenth session's MLA decode kernel and tile candidates are in benchmarks/RESULTS.md).
+  kernel before the fused MoE, not by its hidden programs).
+A candidate turns a form on that is not the default yet (``CANDIDATES``):
+- planar h: ``pallas_kernels.mx_matmul.moe_split.PLANAR_H`` True (the two-kernel MoE's h stored planar, so
+  the down kernel multiplies each plane of h in the decoded tiles' layout, with no shared-memory layout
+  conversion per tile).
 Variants: the default, each switch alone, each candidate alone, all the changes off. Also prints each
 variant's first logits against the default's (with random bf16 weights the model amplifies float32 summation
 order).
@@ -62,9 +61,10 @@ OFF = {  # a change's name -> (owner, attribute, value with the change off)
     "serial command buffer": (inference, "DECODE_GPU_OPTIONS", {}),
     "one-kernel MoE": (mx_matmul, "SPLIT_MIN_TOKENS", 1 << 30),
     "selection kernel": (MoE, "_routes_in_kernel", lambda self, tokens: False),
-    "interleaved h": (moe_split, "PLANAR_H", False),
 }
-CANDIDATES: dict[str, tuple[object, str, object]] = {}
+CANDIDATES = {  # a candidate's name -> (owner, attribute, value with it on)
+    "planar h": (moe_split, "PLANAR_H", True),
+}
 SWITCHES = Switches(OFF, CANDIDATES)
 
 

@@ -5,7 +5,7 @@
 1. the hidden kernel, one program per (pair, block of bf hidden units): gate and up for its bf rows
    of w1 and w3 by one-row products (decoded codes times the matching even / odd columns of x on
    the CUDA cores), then h = act(gate, up), rounded to x's dtype as the reference's matmul outputs
-   are, into a float32 buffer h [T*k, F] (planar: ``PLANAR_H``);
+   are, into a float32 buffer h [T*k, F] (or planar: ``PLANAR_H``);
 2. the down kernel, one program per (token, block of br output rows): for each of the token's k
    pairs and each tile of bfb hidden units, w2[e]'s br rows times the pair's h scaled by its
    routing weight; each output row is written once.
@@ -228,9 +228,10 @@ SPLIT_MIN_TOKENS = 1  # tokens from which the MoE layer takes these two kernels 
 # units, then its 16 odd ones, so the down kernel loads each plane of h whole, in the layout of the decoded
 # w2 tile it multiplies. Interleaved ([T*k, F]), the down kernel reads each plane with stride 2, in a layout
 # Triton converts to the tile's through shared memory: two conversions per tile, 96 barriers a program at
-# `mini`'s one-token down tiles, none planar (sm_90 SASS by benchmarks/triton_sass.py; nineteenth session,
-# not yet timed on a GPU: the "interleaved h" switch of benchmarks/decode_variants.py). Read at the call.
-PLANAR_H = True
+# `mini`'s one-token down tiles, one planar (sm_90 SASS by benchmarks/triton_sass.py, nineteenth session).
+# A candidate (False) until a GPU times it: the "planar h" candidate of benchmarks/decode_variants.py.
+# Read at the call.
+PLANAR_H = False
 
 
 def _fit(w1: MXTensor, tokens: int, blocks: MXBlocks | None, down_blocks: MXBlocks | None
