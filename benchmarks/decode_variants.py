@@ -24,7 +24,9 @@ Each switch turns one change off (module attributes read while a step is traced)
 A candidate turns a form on that is not the default yet (``CANDIDATES``):
 - planar h: ``pallas_kernels.mx_matmul.moe_split.PLANAR_H`` True (the two-kernel MoE's h stored planar, so
   the down kernel multiplies each plane of h in the decoded tiles' layout, with no shared-memory layout
-  conversion per tile).
+  conversion per tile);
+- stacked mix: ``pallas_kernels.depth_mix.STACKED`` True (each AttnRes mix kernel loads the stored blocks as
+  one tile, so their sums are a few reductions over it instead of two per block).
 Variants: the default, each switch alone, each candidate alone, all the changes off. Also prints each
 variant's first logits against the default's (with random bf16 weights the model amplifies float32 summation
 order).
@@ -42,6 +44,7 @@ from flax import nnx
 import k3jax.inference as inference
 import k3jax.layers.kda as kda
 import k3jax.model as model_module
+import pallas_kernels.depth_mix as depth_mix
 import pallas_kernels.mx_matmul as mx_matmul
 import pallas_kernels.mx_matmul.moe_split as moe_split
 from k3jax import Generator, K3Model, preset, use_implementation
@@ -64,6 +67,7 @@ OFF = {  # a change's name -> (owner, attribute, value with the change off)
 }
 CANDIDATES = {  # a candidate's name -> (owner, attribute, value with it on)
     "planar h": (moe_split, "PLANAR_H", True),
+    "stacked mix": (depth_mix, "STACKED", True),
 }
 SWITCHES = Switches(OFF, CANDIDATES)
 
