@@ -72,23 +72,38 @@ def padded_router_inputs(logits: Array, correction_bias: Array) -> tuple[Array, 
     return logits, jnp.pad(correction_bias.astype(jnp.float32), (0, width - E))[None]
 
 
-def pick_by_rank(logits: Array, bias: Array, slot, k: int, renormalize: bool, scaling: float) -> tuple[Array, Array]:
-    """One token's router logits and correction bias, float32 [E'] (lanes past the experts: -inf
-    logits) -> (expert int32, weight float32) in selection slot ``slot`` (0: the largest score + bias),
-    as ``select_experts`` orders them; the weight renormalized over the k chosen and scaled as there."""
+def expert_ranks(logits: Array, bias: Array) -> tuple[Array, Array]:
+    """One token's router logits and correction bias, float32 [E'] (lanes past the experts: -inf logits)
+    -> (sigmoid scores [E'], each expert's selection rank [E'] int32: 0 for the largest score + bias), as
+    ``select_experts`` orders them."""
     scores, choice = _scores_and_choice(logits, bias)
     width = choice.shape[0]
     mine, theirs = choice[:, None], choice[None, :]  # [i, j]: expert i's choice value, expert j's
     lanes = jax.lax.broadcasted_iota(jnp.int32, (width, width), 0)
     others = jax.lax.broadcasted_iota(jnp.int32, (width, width), 1)
     ahead = (theirs > mine) | ((theirs == mine) & (others < lanes))
-    rank = jnp.sum(ahead.astype(jnp.int32), axis=1)
-    picked = rank == slot
-    expert = jnp.sum(jnp.where(picked, jax.lax.broadcasted_iota(jnp.int32, (width,), 0), 0))
-    weight = jnp.sum(jnp.where(picked, scores, 0.0))
+    return scores, jnp.sum(ahead.astype(jnp.int32), axis=1)
+
+
+def slot_expert(rank: Array, slot) -> Array:
+    """The expert in selection slot ``slot`` (int32), from ``expert_ranks``' ranks."""
+    return jnp.sum(jnp.where(rank == slot, jax.lax.broadcasted_iota(jnp.int32, rank.shape, 0), 0))
+
+
+def slot_weight(scores: Array, rank: Array, slot, k: int, renormalize: bool, scaling: float) -> Array:
+    """Slot ``slot``'s routing weight (float32): its expert's score, renormalized over the k chosen and
+    scaled, as ``select_experts``."""
+    weight = jnp.sum(jnp.where(rank == slot, scores, 0.0))
     if renormalize:
         weight = weight / (jnp.sum(jnp.where(rank < k, scores, 0.0)) + 1e-20)
-    return expert, weight * scaling
+    return weight * scaling
+
+
+def pick_by_rank(logits: Array, bias: Array, slot, k: int, renormalize: bool, scaling: float) -> tuple[Array, Array]:
+    """(expert int32, weight float32) in selection slot ``slot`` from one token's logits and bias (see
+    ``expert_ranks``); a kernel that needs the expert sooner than the weight calls the three parts."""
+    scores, rank = expert_ranks(logits, bias)
+    return slot_expert(rank, slot), slot_weight(scores, rank, slot, k, renormalize, scaling)
 
 
 @functools.partial(jax.jit, static_argnames=("k", "renormalize", "scaling_factor", "interpret"))
@@ -119,4 +134,5 @@ def select_experts(logits: Array, correction_bias: Array, k: int, renormalize: b
                    interpret=interpret)
 
 
-__all__ = ["check_router_inputs", "padded_router_inputs", "pick_by_rank", "select_experts"]
+__all__ = ["check_router_inputs", "expert_ranks", "padded_router_inputs", "pick_by_rank", "select_experts",
+           "slot_expert", "slot_weight"]

@@ -22,7 +22,7 @@ program, 12% faster than the one kernel per MoE layer with the weights coming fr
 against 17.2 us) and 0.885 against 0.902 ms per step.
 
 ``routed_moe_mx_split`` takes the router's logits instead of the chosen pairs: every hidden program
-picks its own pair's expert and weight (``pallas_kernels.route.pick_by_rank``) and block 0 of each
+picks its own pair's expert and weight (``pallas_kernels.route.expert_ranks``) and block 0 of each
 pair writes them for the down kernel, so the separate selection kernel (one launch a layer, most of
 its 3.5 us at batch 1) does not run.
 """
@@ -43,7 +43,7 @@ from pallas_kernels._triton import triton_params
 from pallas_kernels.mx_matmul.kernel import MXBlocks, decode_weight_planes
 from pallas_kernels.mx_matmul.moe import _check_moe_operands, _stack_views
 from pallas_kernels.mx_matmul.ops import _largest_pow2_divisor
-from pallas_kernels.route import check_router_inputs, padded_router_inputs, pick_by_rank
+from pallas_kernels.route import check_router_inputs, expert_ranks, padded_router_inputs, slot_expert, slot_weight
 
 
 def _accumulate(acc: Array, tile: tuple[Array, Array], vectors: tuple[Array, Array], method: str,
@@ -114,17 +114,19 @@ def _routed_hidden_kernel(logits_ref, bias_ref, x_ref, w1c_ref, w1s_ref, w3c_ref
                           weights_ref, *, k: int, renormalize: bool, scaling: float, **products):
     """Refs: router logits [T, E'] float32 (padding lanes -inf), correction bias [1, E'], then as
     ``_hidden_products``; outputs experts [T*k] int32 and weights [T*k] float32 (block 0 of each pair
-    writes its pair's). Every program picks its pair's expert itself (``pick_by_rank``)."""
+    writes its pair's). Every program picks its pair's expert itself (``pallas_kernels.route``'s ranks); the
+    weight and the stores are traced after the products, so the weight loads wait only for the expert."""
     pair, block = pl.program_id(0), pl.program_id(1)
     token = pair // k
-    expert, weight = pick_by_rank(logits_ref[token, :], bias_ref[0, :], pair % k, k, renormalize, scaling)
+    scores, rank = expert_ranks(logits_ref[token, :], bias_ref[0, :])
+    expert = slot_expert(rank, pair % k)
+    _hidden_products(expert, token, x_ref, w1c_ref, w1s_ref, w3c_ref, w3s_ref, h_ref, **products)
+    weight = slot_weight(scores, rank, pair % k, k, renormalize, scaling)
 
     @pl.when(block == 0)
     def _():
         experts_ref[pair] = expert
         weights_ref[pair] = weight
-
-    _hidden_products(expert, token, x_ref, w1c_ref, w1s_ref, w3c_ref, w3s_ref, h_ref, **products)
 
 
 def _down_kernel(experts_ref, weights_ref, h_ref, w2c_ref, w2s_ref, y_ref, *, k: int, br: int, bfb: int,
@@ -274,7 +276,7 @@ def routed_moe_mx_split(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, logi
                         interpret: bool | None = None) -> Array:
     """The router's selection and ``fused_moe_mx_split`` in the same two kernels: from the router logits
     [T, E] (float32) and correction bias [E], each hidden program picks its pair's expert and weight
-    (``pallas_kernels.route.pick_by_rank``: ``select_experts``' k, renormalize and scaling factor), so
+    (``pallas_kernels.route.expert_ranks``: ``select_experts``' k, renormalize and scaling factor), so
     no selection kernel runs before them; the down kernel reads the pairs the hidden kernel wrote.
     Other arguments as ``fused_moe_mx_split``."""
     check_router_inputs(logits, correction_bias, k)
