@@ -238,10 +238,15 @@ def test_split_moe_h_planar_equals_interleaved(monkeypatch, tiles, tokens):
     assert rel_err(sums[True], ref) < 1e-5
 
 
-@pytest.mark.parametrize("fused,tokens", [(fused_moe_mx, 2), (fused_moe_mx_split, 1), (fused_moe_mx_split, 2)])
-def test_fused_moe_lowers_for_cuda_through_triton(fused, tokens):
+@pytest.mark.parametrize("fused,tokens,planar", [(fused_moe_mx, 2, False), (fused_moe_mx_split, 1, False),
+                                                 (fused_moe_mx_split, 2, False), (fused_moe_mx_split, 1, True)])
+def test_fused_moe_lowers_for_cuda_through_triton(monkeypatch, fused, tokens, planar):
     """Pallas' Triton lowering of the fused MoE (x's even / odd columns by strided loads), on the CPU; the
-    two kernels at one token with their one-token down tiles (one output row per program)."""
+    two kernels at one token with their one-token down tiles (one output row per program), and with h
+    planar (``PLANAR_H``: the hidden rows by parity, strided)."""
+    from pallas_kernels.mx_matmul import moe_split
+
+    monkeypatch.setattr(moe_split, "PLANAR_H", planar)
     E, F, R, k = 4, 64, 256, 2
     w1, w2 = MXTensor.quantize(jnp.ones((E, F, R))), MXTensor.quantize(jnp.ones((E, R, F)))
     fn = lambda x, weights, experts: fused(x, w1, w1, w2, weights, experts, situ, interpret=False)
