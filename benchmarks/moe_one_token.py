@@ -13,7 +13,8 @@ options: router logits (an XLA einsum), the MoE, an RMS scaling of its output as
 
 Variants: the default tiles; each ``--hidden`` tile (hidden units a program / contracted elements a tile /
 warps) with the default down tiles; each ``--down`` tile (output rows a program / hidden units a tile /
-warps) with the default hidden tiles; and a probe, "experts given": ``fused_moe_mx_split`` with each layer's
+warps) with the default hidden tiles; the candidate "planar h" (``moe_split.PLANAR_H``: h stored planar between
+the two kernels); and a probe, "experts given": ``fused_moe_mx_split`` with each layer's
 pairs fixed ahead (no pick in the chain: what the pick costs there). Tiles are shrunk to fit the shape as the
 library does. us per layer = (the chain's time - the same chain without the MoE) / layers, the best of 5
 rounds, each a median of 20 calls. Every variant's output is checked against the default's (float32 sums in
@@ -37,7 +38,7 @@ from k3jax.inference import decode_compiler_options
 from k3jax.layers.mlp import activation
 from launch_floor import ROUNDS, median_seconds
 from mx_matmul import random_mx
-from pallas_kernels.mx_matmul import fused_moe_mx_split, routed_moe_mx_split
+from pallas_kernels.mx_matmul import fused_moe_mx_split, moe_split, routed_moe_mx_split
 from pallas_kernels.mx_matmul.moe_split import SPLIT_MOE_BLOCKS, SPLIT_MOE_DOWN_BLOCKS_ONE_TOKEN
 
 # Each variant's chain compiles its two Triton kernels once per layer (about 40 s a variant on the H200 at
@@ -94,6 +95,13 @@ def main() -> None:
         return lambda x, logits, layer: routed_moe_mx_split(x, *layer[2:5], logits, layer[1], act, **rule,
                                                             blocks=blocks, down_blocks=down, out_dtype=jnp.float32)
 
+    def planar(x, logits, layer):  # the "planar h" candidate: PLANAR_H is read while this traces
+        previous, moe_split.PLANAR_H = moe_split.PLANAR_H, True
+        try:
+            return routed(SPLIT_MOE_BLOCKS, None)(x, logits, layer)
+        finally:
+            moe_split.PLANAR_H = previous
+
     def given(x, logits, layer):
         weights = jnp.full((1, k), moe_cfg.routed_scaling_factor / k, jnp.float32)
         return fused_moe_mx_split(x, *layer[2:5], weights, layer[5], act, out_dtype=jnp.float32)
@@ -103,6 +111,7 @@ def main() -> None:
     moes = {f"default (hidden {label(SPLIT_MOE_BLOCKS)}, down {label(default_down)})": routed(SPLIT_MOE_BLOCKS, None)}
     moes |= {f"hidden {label(b)}": routed(b, None) for b in tiles(args.hidden, SPLIT_MOE_BLOCKS)}
     moes |= {f"down {label(d)}": routed(SPLIT_MOE_BLOCKS, d) for d in tiles(args.down, default_down)}
+    moes["candidate: planar h"] = planar
     moes["probe: experts given (no pick)"] = given
     x = (jax.random.normal(jax.random.fold_in(key, count), (1, R), jnp.float32)).astype(jnp.bfloat16)
     print(f"device {jax.devices()[0].device_kind}; {args.preset}: {count} MoE layers, {E} experts, top {k}, "
