@@ -48,9 +48,9 @@ DOWN = "1/128/1,2/256/2"
 
 
 def tiles(text: str, base):
-    """'bn/bk/warps,...' -> MXBlocks like ``base`` with those fields."""
+    """'bn/bk/warps,...' -> MXBlocks like ``base`` with those fields ('' -> none)."""
     out = []
-    for item in text.split(","):
+    for item in filter(None, text.split(",")):
         bn, bk, warps = (int(v) for v in item.split("/"))
         out.append(dataclasses.replace(base, bn=bn, bk=bk, num_warps=warps))
     return out
