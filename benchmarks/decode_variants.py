@@ -26,7 +26,9 @@ A candidate turns a form on that is not the default yet (``CANDIDATES``):
   the down kernel multiplies each plane of h in the decoded tiles' layout, with no shared-memory layout
   conversion per tile);
 - stacked mix: ``pallas_kernels.depth_mix.STACKED`` True (each AttnRes mix kernel loads the stored blocks as
-  one tile, so their sums are a few reductions over it instead of two per block).
+  one tile, so their sums are a few reductions over it instead of two per block);
+- conv taps by row: ``pallas_kernels.short_conv.TAPS_BY_ROW`` True (KDA's short-conv kernel reads its taps
+  transposed, in the layout of the inputs they multiply, with no shared-memory layout conversion).
 Variants: the default, each switch alone, each candidate alone, all the changes off. Also prints each
 variant's first logits against the default's (with random bf16 weights the model amplifies float32 summation
 order).
@@ -47,6 +49,7 @@ import k3jax.model as model_module
 import pallas_kernels.depth_mix as depth_mix
 import pallas_kernels.mx_matmul as mx_matmul
 import pallas_kernels.mx_matmul.moe_split as moe_split
+import pallas_kernels.short_conv as short_conv
 from k3jax import Generator, K3Model, preset, use_implementation
 from k3jax.layers import basic
 from k3jax.layers.mla import MLA
@@ -68,6 +71,7 @@ OFF = {  # a change's name -> (owner, attribute, value with the change off)
 CANDIDATES = {  # a candidate's name -> (owner, attribute, value with it on)
     "planar h": (moe_split, "PLANAR_H", True),
     "stacked mix": (depth_mix, "STACKED", True),
+    "conv taps by row": (short_conv, "TAPS_BY_ROW", True),
 }
 SWITCHES = Switches(OFF, CANDIDATES)
 
