@@ -9,10 +9,11 @@ about ten small kernels (top-k alone is three); at decode sizes each costs more 
 here one program per token does it all: k rounds of argmax over the token's E scores. Triton needs
 power-of-two widths: E and k are padded (-inf logits, unused slots dropped).
 
-``pick_by_rank`` makes one slot's choice inside another kernel (the batch-1 routed MoE's hidden
-kernel, ``pallas_kernels.mx_matmul.moe_split``): each expert's rank is the number of experts ahead
-of it (a larger score + bias, or an equal one at a lower index), so one [E, E] comparison and three
-sums replace the k rounds of three reductions each.
+``expert_ranks``, ``slot_expert`` and ``slot_weight`` make one slot's choice inside another kernel (the
+batch-1 routed MoE's hidden kernel, ``pallas_kernels.mx_matmul.moe_split``, which needs the expert before
+its weight loads and the weight only at its end): each expert's rank is the number of experts ahead of it
+(a larger score + bias, or an equal one at a lower index), so one [E, E] comparison and three sums replace
+the k rounds of three reductions each.
 """
 
 from __future__ import annotations
@@ -99,13 +100,6 @@ def slot_weight(scores: Array, rank: Array, slot, k: int, renormalize: bool, sca
     return weight * scaling
 
 
-def pick_by_rank(logits: Array, bias: Array, slot, k: int, renormalize: bool, scaling: float) -> tuple[Array, Array]:
-    """(expert int32, weight float32) in selection slot ``slot`` from one token's logits and bias (see
-    ``expert_ranks``); a kernel that needs the expert sooner than the weight calls the three parts."""
-    scores, rank = expert_ranks(logits, bias)
-    return slot_expert(rank, slot), slot_weight(scores, rank, slot, k, renormalize, scaling)
-
-
 @functools.partial(jax.jit, static_argnames=("k", "renormalize", "scaling_factor", "interpret"))
 def _select(logits, correction_bias, *, k, renormalize, scaling_factor, interpret):
     T = logits.shape[0]
@@ -134,5 +128,5 @@ def select_experts(logits: Array, correction_bias: Array, k: int, renormalize: b
                    interpret=interpret)
 
 
-__all__ = ["check_router_inputs", "expert_ranks", "padded_router_inputs", "pick_by_rank", "select_experts",
-           "slot_expert", "slot_weight"]
+__all__ = ["check_router_inputs", "expert_ranks", "padded_router_inputs", "select_experts", "slot_expert",
+           "slot_weight"]

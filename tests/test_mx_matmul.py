@@ -359,10 +359,10 @@ def _router_case(tokens: int, E: int = 12):
 
 
 @pytest.mark.parametrize("renormalize", [True, False])
-def test_pick_by_rank_equals_select_experts(renormalize):
+def test_slot_picks_by_rank_equal_select_experts(renormalize):
     """Each slot's (expert, weight) by ranks against ``select_experts`` (lax.top_k), 12 experts in 16 lanes."""
     from k3jax.functional.moe import select_experts
-    from pallas_kernels.route import padded_router_inputs, pick_by_rank
+    from pallas_kernels.route import expert_ranks, padded_router_inputs, slot_expert, slot_weight
 
     k, tokens = 4, 3
     logits, bias = _router_case(tokens)
@@ -371,7 +371,8 @@ def test_pick_by_rank_equals_select_experts(renormalize):
     padded, padded_bias = padded_router_inputs(logits, bias)
     for t in range(tokens):
         for slot in range(k):
-            expert, weight = pick_by_rank(padded[t], padded_bias[0], slot, k, renormalize, 2.5)
+            scores, rank = expert_ranks(padded[t], padded_bias[0])
+            expert, weight = slot_expert(rank, slot), slot_weight(scores, rank, slot, k, renormalize, 2.5)
             assert int(expert) == int(experts[t, slot])
             np.testing.assert_allclose(float(weight), float(weights[t, slot]), rtol=1e-6)
 

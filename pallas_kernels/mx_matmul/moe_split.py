@@ -236,16 +236,17 @@ SPLIT_MIN_TOKENS = 1  # tokens from which the MoE layer takes these two kernels 
 PLANAR_H = False
 
 
-def _fit(w1: MXTensor, tokens: int, blocks: MXBlocks | None, down_blocks: MXBlocks | None
+def _fit(w1: MXTensor, tokens: int, blocks: MXBlocks | None, down_blocks: MXBlocks | None, planar: bool
          ) -> tuple[MXBlocks, MXBlocks]:
     """The tiles shrunk to fit w1's F and R (see ``fused_moe_mx_split``); where not given, the module's
-    defaults as they are at the call (so a benchmark can switch them), the down tiles by the token count."""
+    defaults as they are at the call (so a benchmark can switch them), the down tiles by the token count.
+    A planar h needs an even and an odd unit in each hidden program."""
     _, F, R = w1.shape
     blocks = SPLIT_MOE_BLOCKS if blocks is None else blocks
     if down_blocks is None:
         down_blocks = SPLIT_MOE_DOWN_BLOCKS_ONE_TOKEN if tokens == 1 else SPLIT_MOE_DOWN_BLOCKS
     scale_blocks = lambda n, cap: BLOCK * _largest_pow2_divisor(n // BLOCK, max(cap // BLOCK, 1))
-    bn = _largest_pow2_divisor(F, max(blocks.bn, 2 if PLANAR_H else 1))  # planar h: even and odd units a program
+    bn = _largest_pow2_divisor(F, max(blocks.bn, 2 if planar else 1))
     blocks = dataclasses.replace(blocks, bn=bn, bk=scale_blocks(R, blocks.bk))
     down_blocks = dataclasses.replace(down_blocks, bn=_largest_pow2_divisor(R, down_blocks.bn),
                                       bk=scale_blocks(F, down_blocks.bk))
@@ -263,10 +264,11 @@ def fused_moe_mx_split(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, weigh
     ``SPLIT_MOE_DOWN_BLOCKS_ONE_TOKEN`` for one token, else ``SPLIT_MOE_DOWN_BLOCKS``. Each program
     unrolls its tiles, so R / blocks.bk and k * F / down_blocks.bk set the kernels' code size."""
     _check_moe_operands(x, w1, w3, w2, weights, experts)
-    blocks, down_blocks = _fit(w1, x.shape[0], blocks, down_blocks)
+    planar = PLANAR_H
+    blocks, down_blocks = _fit(w1, x.shape[0], blocks, down_blocks, planar)
     interpret = pallas_interpret() if interpret is None else interpret
     return _fused_moe_mx_split(x, w1, w3, w2, weights, experts, act=act, blocks=blocks, down_blocks=down_blocks,
-                               out_dtype=jnp.dtype(x.dtype if out_dtype is None else out_dtype), planar=PLANAR_H,
+                               out_dtype=jnp.dtype(x.dtype if out_dtype is None else out_dtype), planar=planar,
                                interpret=interpret)
 
 
@@ -285,11 +287,12 @@ def routed_moe_mx_split(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, logi
         raise ValueError(f"x [T, R] = {x.shape}, logits [T, E] = {logits.shape} and w1 [E, F, R] = {w1.shape} disagree")
     pairs = jax.ShapeDtypeStruct((T, k), jnp.int32)
     _check_moe_operands(x, w1, w3, w2, pairs, pairs)
-    blocks, down_blocks = _fit(w1, T, blocks, down_blocks)
+    planar = PLANAR_H
+    blocks, down_blocks = _fit(w1, T, blocks, down_blocks, planar)
     interpret = pallas_interpret() if interpret is None else interpret
     return _routed_moe_mx_split(x, w1, w3, w2, logits, correction_bias, act=act, k=k, renormalize=renormalize,
                                 scaling=float(scaling_factor), blocks=blocks, down_blocks=down_blocks,
-                                out_dtype=jnp.dtype(x.dtype if out_dtype is None else out_dtype), planar=PLANAR_H,
+                                out_dtype=jnp.dtype(x.dtype if out_dtype is None else out_dtype), planar=planar,
                                 interpret=interpret)
 
 
