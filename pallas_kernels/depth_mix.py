@@ -30,6 +30,17 @@ from pallas_kernels._triton import triton_params
 _F32 = jnp.float32
 
 
+def _store_normed(out_ref, row, cols, mixed, norm_weight, eps: float | None) -> None:
+    """Row ``row`` of out [M, D]: the float32 mix [1, D'] rounded to out's dtype, then (with a norm weight)
+    RMS-normed in float32 over the D columns ``cols`` masks in and rounded again."""
+    mixed = mixed.astype(out_ref.dtype)
+    if norm_weight is not None:
+        m = mixed.astype(_F32)
+        inverse = jax.lax.rsqrt(jnp.sum(m * m, axis=1, keepdims=True) / out_ref.shape[1] + eps)
+        mixed = (m * inverse * norm_weight).astype(out_ref.dtype)
+    pltriton.store(out_ref.at[pl.ds(row, 1), pl.ds(0, cols.shape[1])], mixed, mask=cols)
+
+
 def _mix_norm_kernel(partial_ref, blocks_ref, count_ref, site_norm_ref, site_proj_ref, *refs, mix_eps: float,
                      eps: float | None):
     """Refs: partial [M, D], blocks [N, M, D], count [1] int32, the mix site's norm and projection
@@ -55,12 +66,8 @@ def _mix_norm_kernel(partial_ref, blocks_ref, count_ref, site_norm_ref, site_pro
     top = functools.reduce(jnp.maximum, scores)
     e = [jnp.exp(score - top) for score in scores]
     total = functools.reduce(jnp.add, e)
-    mixed = functools.reduce(jnp.add, [w / total * x for w, x in zip(e, sources)]).astype(out_ref.dtype)
-    if norm_weight is not None:
-        m = mixed.astype(_F32)
-        inverse = jax.lax.rsqrt(jnp.sum(m * m, axis=1, keepdims=True) / depth + eps)
-        mixed = (m * inverse * norm_weight).astype(out_ref.dtype)
-    pltriton.store(out_ref.at[pl.ds(row, 1), pl.ds(0, width)], mixed, mask=cols)
+    mixed = functools.reduce(jnp.add, [w / total * x for w, x in zip(e, sources)])
+    _store_normed(out_ref, row, cols, mixed, norm_weight, eps)
 
 
 def _mix_norm_kernel_stacked(partial_ref, blocks_ref, count_ref, site_norm_ref, site_proj_ref, *refs, mix_eps: float,
@@ -89,12 +96,8 @@ def _mix_norm_kernel_stacked(partial_ref, blocks_ref, count_ref, site_norm_ref, 
     top = jnp.maximum(jnp.max(scores), partial_score)
     e, e_partial = jnp.exp(scores - top), jnp.exp(partial_score - top)
     total = jnp.sum(e) + e_partial
-    mixed = (jnp.sum((e / total)[:, None] * blocks, axis=0)[None, :] + e_partial / total * partial).astype(out_ref.dtype)
-    if norm_weight is not None:
-        m = mixed.astype(_F32)
-        inverse = jax.lax.rsqrt(jnp.sum(m * m, axis=1, keepdims=True) / depth + eps)
-        mixed = (m * inverse * norm_weight).astype(out_ref.dtype)
-    pltriton.store(out_ref.at[pl.ds(row, 1), pl.ds(0, width)], mixed, mask=cols)
+    mixed = jnp.sum((e / total)[:, None] * blocks, axis=0)[None, :] + e_partial / total * partial
+    _store_normed(out_ref, row, cols, mixed, norm_weight, eps)
 
 
 # Whether ``mix_norm`` takes ``_mix_norm_kernel_stacked``: a candidate (False) until a GPU times it, the
