@@ -40,8 +40,12 @@ class TritonKernel(NamedTuple):
 
 def lowered_kernels(fn: Callable, *args) -> list[TritonKernel]:
     """Each Pallas Triton kernel of ``jax.jit(fn)`` lowered for CUDA at ``args`` (arrays or shape structs):
-    its Triton IR and launch options. Reads them from JAX's private Pallas Triton lowering (JAX 0.10-0.11)."""
+    its Triton IR and launch options. Reads them from JAX's private Pallas Triton lowering (JAX 0.10-0.11).
+    JAX's caches are cleared first: a kernel lowered before in the process (the same function, or a module
+    flag read while tracing changed since) would otherwise come from the cache, unseen."""
     from jax._src.pallas.triton import lowering, pallas_call_registration as registration
+
+    jax.clear_caches()
 
     kernels, lower = [], lowering.lower_jaxpr_to_triton_module
 
@@ -57,6 +61,8 @@ def lowered_kernels(fn: Callable, *args) -> list[TritonKernel]:
         jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     finally:
         registration.lowering.lower_jaxpr_to_triton_module = lower
+    if not kernels:
+        raise ValueError(f"{getattr(fn, '__name__', fn)} lowers to no Pallas Triton kernel")
     return kernels
 
 

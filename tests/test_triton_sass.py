@@ -6,6 +6,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from triton_sass import lowered_kernels  # noqa: E402
@@ -20,6 +21,13 @@ def test_lowered_kernels_carry_their_ir_and_launch_options():
     (kernel,) = lowered_kernels(fn, x, w)
     assert kernel.name == "matvecs" and (kernel.num_warps, kernel.num_stages) == (2, 4)
     assert kernel.ir.startswith("module") and "tt.func" in kernel.ir and "tt.load" in kernel.ir
+    (again,) = lowered_kernels(fn, x, w)  # lowered anew, not taken from JAX's caches unseen
+    assert again.ir == kernel.ir
+
+
+def test_a_function_without_pallas_kernels_is_refused():
+    with pytest.raises(ValueError, match="no Pallas Triton kernel"):
+        lowered_kernels(lambda x: x * 2, jax.ShapeDtypeStruct((4,), jnp.float32))
 
 
 def test_each_pallas_call_is_one_kernel():
