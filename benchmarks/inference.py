@@ -112,9 +112,10 @@ def main() -> None:
 
                 print(f"\n## decode B={batch}, step {step * 1e6:,.0f} us")
                 hlo, times = dumped_hlo(args.profile, "decode"), device_times(once)
-                print(kernel_table(times, source_paths(hlo), top=args.profile_top))
+                paths = source_paths(hlo)
+                print(kernel_table(times, paths, top=args.profile_top))
                 if hlo:
-                    print(chain_table(critical_path(hlo, times, args.profile_gap), source_paths(hlo), args.profile_gap,
+                    print(chain_table(critical_path(hlo, times, args.profile_gap), paths, args.profile_gap,
                                       top=args.profile_top))
             floor = decode_floor_bytes(cfg, counts, batch, args.prompt + 1) / bw
             row(f"decode B={batch}", f"{step * 1e3:.2f} ms", f"floor {floor * 1e3:.2f} ms", f"{step / floor:.1f}x floor",

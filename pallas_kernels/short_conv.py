@@ -41,9 +41,9 @@ TAPS_BY_ROW = False
 
 def _conv_silu_kernel(*refs, n_inputs: int, block: int, taps_by_row: bool):
     """Refs: xs [B, F] (n_inputs), taps [F, W] (n_inputs; [W, F] with ``taps_by_row``), the state input
-    [B, W-1, n F], then ys [B, F]
-    float32 (n_inputs) and the state output, which is the state input's buffer (aliased): the state is
-    read and written through that one ref, so its loads and stores keep their program order."""
+    [B, W-1, n F], then ys [B, F] float32 (n_inputs) and the state output, which is the state input's
+    buffer (aliased): the state is read and written through that one ref, so its loads and stores keep
+    their program order."""
     xs, taps = refs[:n_inputs], refs[n_inputs:2 * n_inputs]
     ys, state = refs[2 * n_inputs + 1:3 * n_inputs + 1], refs[-1]
     b, program = pl.program_id(0), pl.program_id(1)
