@@ -161,6 +161,12 @@ def test_shape_errors(weight, experts):
         grouped_mx_matmul(jnp.ones((4, K)), experts, GROUP_SIZES, blocks=DECODE_THEN_DOT)
 
 
+def _expert_stacks(keys, E: int, F: int, R: int) -> tuple[MXTensor, MXTensor, MXTensor]:
+    """Random MXFP4 expert stacks w1, w3 [E, F, R] and w2 [E, R, F] from keys[0..2], scaled by fan-in."""
+    w1, w3 = (MXTensor.quantize(jax.random.normal(kk, (E, F, R)) * R**-0.5) for kk in keys[:2])
+    return w1, w3, MXTensor.quantize(jax.random.normal(keys[2], (E, R, F)) * F**-0.5)
+
+
 @pytest.mark.parametrize("fused", [fused_moe_mx, fused_moe_mx_split])
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_fused_moe_matches_dense_reference(fused, tokens):
@@ -169,8 +175,7 @@ def test_fused_moe_matches_dense_reference(fused, tokens):
     weights."""
     E, F, R, k = 6, 96, 160, 2
     keys = jax.random.split(jax.random.key(20), 5)
-    w1, w3 = (MXTensor.quantize(jax.random.normal(kk, (E, F, R)) * R**-0.5) for kk in keys[:2])
-    w2 = MXTensor.quantize(jax.random.normal(keys[2], (E, R, F)) * F**-0.5)
+    w1, w3, w2 = _expert_stacks(keys, E, F, R)
     x = bf16_normal(keys[3], (tokens, R))
     experts = jnp.array([[4, 1], [1, 0], [5, 4]], jnp.int32)[:tokens]  # expert 1 and 4 shared by tokens
     weights = jax.random.uniform(keys[4], (tokens, k))
@@ -199,8 +204,7 @@ def test_fused_moe_tiles_and_repeated_experts(fused, dtype):
     shared across tokens, against the dense reference; bf16 x gives a bf16 output."""
     E, F, R, k, T = 5, 128, 256, 3, 4
     keys = jax.random.split(jax.random.key(21), 5)
-    w1, w3 = (MXTensor.quantize(jax.random.normal(kk, (E, F, R)) * R**-0.5) for kk in keys[:2])
-    w2 = MXTensor.quantize(jax.random.normal(keys[2], (E, R, F)) * F**-0.5)
+    w1, w3, w2 = _expert_stacks(keys, E, F, R)
     x = bf16_normal(keys[3], (T, R)).astype(dtype)
     experts = jnp.array([[2, 2, 0], [4, 1, 2], [0, 3, 1], [3, 3, 3]], jnp.int32)
     weights = jax.random.uniform(keys[4], (T, k))
@@ -223,8 +227,7 @@ def test_split_moe_h_planar_equals_interleaved(monkeypatch, tiles, tokens):
 
     E, F, R, k = 5, 128, 256, 3
     keys = jax.random.split(jax.random.key(22), 5)
-    w1, w3 = (MXTensor.quantize(jax.random.normal(kk, (E, F, R)) * R**-0.5) for kk in keys[:2])
-    w2 = MXTensor.quantize(jax.random.normal(keys[2], (E, R, F)) * F**-0.5)
+    w1, w3, w2 = _expert_stacks(keys, E, F, R)
     x = bf16_normal(keys[3], (tokens, R))
     experts = jnp.array([[2, 2, 0], [4, 1, 2], [0, 3, 1], [3, 3, 3]], jnp.int32)[:tokens]
     weights = jax.random.uniform(keys[4], (tokens, k))
@@ -386,8 +389,7 @@ def test_routed_moe_matches_select_then_dense_reference(tokens):
 
     E, F, R, k = 12, 64, 96, 3
     keys = jax.random.split(jax.random.key(22), 4)
-    w1, w3 = (MXTensor.quantize(jax.random.normal(kk, (E, F, R)) * R**-0.5) for kk in keys[:2])
-    w2 = MXTensor.quantize(jax.random.normal(keys[2], (E, R, F)) * F**-0.5)
+    w1, w3, w2 = _expert_stacks(keys, E, F, R)
     x = bf16_normal(keys[3], (tokens, R))
     logits, bias = _router_case(tokens)
     out = routed_moe_mx_split(x, w1, w3, w2, logits, bias, situ, k=k, renormalize=True, scaling_factor=2.5)
@@ -471,8 +473,7 @@ def test_tiled_moe_matches_references():
 
     E, F, R, k, T = 6, 96, 160, 3, 13
     keys = jax.random.split(jax.random.key(70), 6)
-    w1, w3 = (MXTensor.quantize(jax.random.normal(kk, (E, F, R)) * R**-0.5) for kk in keys[:2])
-    w2 = MXTensor.quantize(jax.random.normal(keys[2], (E, R, F)) * F**-0.5)
+    w1, w3, w2 = _expert_stacks(keys, E, F, R)
     x = bf16_normal(keys[3], (T, R)).astype(jnp.bfloat16)
     experts = jax.random.randint(keys[4], (T, k), 0, E - 1).at[0].set(jnp.array([2, 2, 4]))  # expert 5: none
     weights = jax.random.uniform(keys[5], (T, k))
