@@ -29,9 +29,9 @@ A candidate turns a form on that is not the default yet (``CANDIDATES``):
   one tile, so their sums are a few reductions over it instead of two per block);
 - conv taps by row: ``pallas_kernels.short_conv.TAPS_BY_ROW`` True (KDA's short-conv kernel reads its taps
   transposed, in the layout of the inputs they multiply, with no shared-memory layout conversion).
-Variants: the default, each switch alone, each candidate alone, all the changes off. Also prints each
-variant's first logits against the default's (with random bf16 weights the model amplifies float32 summation
-order).
+Variants: the default, each switch alone, each candidate alone, all the changes off, all the candidates on.
+Also prints each variant's first logits against the default's (with random bf16 weights the model amplifies
+float32 summation order).
 """
 
 from __future__ import annotations

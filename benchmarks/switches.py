@@ -11,13 +11,15 @@ class Switches:
     """``off``: a change's name -> (owner, attribute, value with the change off); ``candidates``: a
     candidate's name -> (owner, attribute, value with it on). Variants: "default" (every change on, no
     candidate), each change off alone and each candidate on alone (by its name), "all off" (every change
-    off, no candidate)."""
+    off, no candidate), "all candidates" (every change and every candidate on)."""
 
     def __init__(self, off: dict[str, tuple[object, str, object]],
                  candidates: dict[str, tuple[object, str, object]] | None = None):
         self.settings = {**off, **(candidates or {})}  # name -> (owner, attribute, value its variant sets)
         self.original = {name: getattr(owner, attribute) for name, (owner, attribute, _) in self.settings.items()}
         self.variants = {"default": (), **{name: (name,) for name in self.settings}, "all off": tuple(off)}
+        if candidates:
+            self.variants["all candidates"] = tuple(candidates)
 
     def use(self, variant: str) -> None:
         """Set the attributes for a variant (its switches set, the others as they were), for the next trace."""
