@@ -20,15 +20,10 @@ Each switch turns one change off (module attributes read while a step is traced)
 - one-kernel MoE: ``pallas_kernels.mx_matmul.SPLIT_MIN_TOKENS`` out of reach (the fused MoE as its one
   kernel with atomic adds at every batch, not the two kernels without atomics);
 - selection kernel: ``MoE._routes_in_kernel`` False (at one token the experts are picked by the selection
-  kernel before the fused MoE, not by its hidden programs).
-A candidate turns a form on that is not the default yet (``CANDIDATES``):
-- planar h: ``pallas_kernels.mx_matmul.moe_split.PLANAR_H`` True (the two-kernel MoE's h stored planar, so
-  the down kernel multiplies each plane of h in the decoded tiles' layout, with no shared-memory layout
-  conversion per tile);
-- stacked mix: ``pallas_kernels.depth_mix.STACKED`` True (each AttnRes mix kernel loads the stored blocks as
-  one tile, so their sums are a few reductions over it instead of two per block);
-- conv taps by row: ``pallas_kernels.short_conv.TAPS_BY_ROW`` True (KDA's short-conv kernel reads its taps
-  transposed, in the layout of the inputs they multiply, with no shared-memory layout conversion).
+  kernel before the fused MoE, not by its hidden programs);
+- h interleaved: ``pallas_kernels.mx_matmul.moe_split.PLANAR_H_MAX_TOKENS`` 0 (the two-kernel MoE's h stored
+  [T*k, F] between its kernels at one token too, not planar).
+A candidate turns a form on that is not the default yet (``CANDIDATES``; none at present).
 Variants: the default, each switch alone, each candidate alone, all the changes off, all the candidates on.
 Also prints each variant's first logits against the default's (with random bf16 weights the model amplifies
 float32 summation order).
@@ -46,10 +41,8 @@ from flax import nnx
 import k3jax.inference as inference
 import k3jax.layers.kda as kda
 import k3jax.model as model_module
-import pallas_kernels.depth_mix as depth_mix
 import pallas_kernels.mx_matmul as mx_matmul
 import pallas_kernels.mx_matmul.moe_split as moe_split
-import pallas_kernels.short_conv as short_conv
 from k3jax import Generator, K3Model, preset, use_implementation
 from k3jax.layers import basic
 from k3jax.layers.mla import MLA
@@ -67,12 +60,9 @@ OFF = {  # a change's name -> (owner, attribute, value with the change off)
     "serial command buffer": (inference, "DECODE_GPU_OPTIONS", {}),
     "one-kernel MoE": (mx_matmul, "SPLIT_MIN_TOKENS", 1 << 30),
     "selection kernel": (MoE, "_routes_in_kernel", lambda self, tokens: False),
+    "h interleaved": (moe_split, "PLANAR_H_MAX_TOKENS", 0),
 }
-CANDIDATES = {  # a candidate's name -> (owner, attribute, value with it on)
-    "planar h": (moe_split, "PLANAR_H", True),
-    "stacked mix": (depth_mix, "STACKED", True),
-    "conv taps by row": (short_conv, "TAPS_BY_ROW", True),
-}
+CANDIDATES: dict = {}  # a candidate's name -> (owner, attribute, value with it on)
 SWITCHES = Switches(OFF, CANDIDATES)
 
 

@@ -13,8 +13,8 @@ options: router logits (an XLA einsum), the MoE, an RMS scaling of its output as
 
 Variants: the default tiles; each ``--hidden`` tile (hidden units a program / contracted elements a tile /
 warps) with the default down tiles; each ``--down`` tile (output rows a program / hidden units a tile /
-warps) with the default hidden tiles; the candidate "planar h" (``moe_split.PLANAR_H``: h stored planar between
-the two kernels); and a probe, "experts given": ``fused_moe_mx_split`` with each layer's
+warps) with the default hidden tiles; "h interleaved" (``moe_split.PLANAR_H_MAX_TOKENS`` 0: h stored as [T*k, F]
+between the two kernels, not planar); and a probe, "experts given": ``fused_moe_mx_split`` with each layer's
 pairs fixed ahead (no pick in the chain: what the pick costs there). Tiles are shrunk to fit the shape as the
 library does. us per layer = (the chain's time - the same chain without the MoE) / layers, the best of 5
 rounds, each a median of 20 calls. Every variant's output is checked against the default's (float32 sums in
@@ -95,12 +95,12 @@ def main() -> None:
         return lambda x, logits, layer: routed_moe_mx_split(x, *layer[2:5], logits, layer[1], act, **rule,
                                                             blocks=blocks, down_blocks=down, out_dtype=jnp.float32)
 
-    def planar(x, logits, layer):  # the "planar h" candidate: PLANAR_H is read while this traces
-        previous, moe_split.PLANAR_H = moe_split.PLANAR_H, True
+    def interleaved(x, logits, layer):  # PLANAR_H_MAX_TOKENS is read while this traces
+        previous, moe_split.PLANAR_H_MAX_TOKENS = moe_split.PLANAR_H_MAX_TOKENS, 0
         try:
             return routed(SPLIT_MOE_BLOCKS, None)(x, logits, layer)
         finally:
-            moe_split.PLANAR_H = previous
+            moe_split.PLANAR_H_MAX_TOKENS = previous
 
     def given(x, logits, layer):
         weights = jnp.full((1, k), moe_cfg.routed_scaling_factor / k, jnp.float32)
@@ -111,7 +111,7 @@ def main() -> None:
     moes = {f"default (hidden {label(SPLIT_MOE_BLOCKS)}, down {label(default_down)})": routed(SPLIT_MOE_BLOCKS, None)}
     moes |= {f"hidden {label(b)}": routed(b, None) for b in tiles(args.hidden, SPLIT_MOE_BLOCKS)}
     moes |= {f"down {label(d)}": routed(SPLIT_MOE_BLOCKS, d) for d in tiles(args.down, default_down)}
-    moes["candidate: planar h"] = planar
+    moes["h interleaved"] = interleaved
     moes["probe: experts given (no pick)"] = given
     x = (jax.random.normal(jax.random.fold_in(key, count), (1, R), jnp.float32)).astype(jnp.bfloat16)
     print(f"device {jax.devices()[0].device_kind}; {args.preset}: {count} MoE layers, {E} experts, top {k}, "

@@ -219,7 +219,7 @@ def test_fused_moe_tiles_and_repeated_experts(fused, dtype):
 
 @pytest.mark.parametrize("tiles,tokens", [({}, 1), (TILED_MOE[fused_moe_mx_split], 4)])
 def test_split_moe_h_planar_equals_interleaved(monkeypatch, tiles, tokens):
-    """The two kernels with h planar between them (``PLANAR_H``; 8 units of a parity a hidden program at the
+    """The two kernels with h planar between them (``PLANAR_H_MAX_TOKENS``; 8 units of a parity a hidden program at the
     default tiles, 32 over two blocks at the tiled ones) give the interleaved form's sums: the same products
     in the same order, only stored and loaded differently (the row sums' reduction order may differ with
     the tensors' shapes: float32 rounding)."""
@@ -233,7 +233,7 @@ def test_split_moe_h_planar_equals_interleaved(monkeypatch, tiles, tokens):
     weights = jax.random.uniform(keys[4], (tokens, k))
     sums = {}
     for planar in (False, True):
-        monkeypatch.setattr(moe_split, "PLANAR_H", planar)
+        monkeypatch.setattr(moe_split, "PLANAR_H_MAX_TOKENS", tokens if planar else 0)
         sums[planar] = np.asarray(fused_moe_mx_split(x, w1, w3, w2, weights, experts, situ, **tiles,
                                                      out_dtype=jnp.float32))
     assert rel_err(sums[True], sums[False]) < 1e-6
@@ -246,10 +246,10 @@ def test_split_moe_h_planar_equals_interleaved(monkeypatch, tiles, tokens):
 def test_fused_moe_lowers_for_cuda_through_triton(monkeypatch, fused, tokens, planar):
     """Pallas' Triton lowering of the fused MoE (x's even / odd columns by strided loads), on the CPU; the
     two kernels at one token with their one-token down tiles (one output row per program), and with h
-    planar (``PLANAR_H``: the hidden rows by parity, strided)."""
+    planar (``PLANAR_H_MAX_TOKENS``: the hidden rows by parity, strided)."""
     from pallas_kernels.mx_matmul import moe_split
 
-    monkeypatch.setattr(moe_split, "PLANAR_H", planar)
+    monkeypatch.setattr(moe_split, "PLANAR_H_MAX_TOKENS", tokens if planar else 0)
     E, F, R, k = 4, 64, 256, 2
     w1, w2 = MXTensor.quantize(jnp.ones((E, F, R))), MXTensor.quantize(jnp.ones((E, R, F)))
     fn = lambda x, weights, experts: fused(x, w1, w1, w2, weights, experts, situ, interpret=False)

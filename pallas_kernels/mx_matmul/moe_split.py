@@ -5,7 +5,7 @@
 1. the hidden kernel, one program per (pair, block of bf hidden units): gate and up for its bf rows
    of w1 and w3 by one-row products (decoded codes times the matching even / odd columns of x on
    the CUDA cores), then h = act(gate, up), rounded to x's dtype as the reference's matmul outputs
-   are, into a float32 buffer h [T*k, F] (or planar: ``PLANAR_H``);
+   are, into a float32 buffer h [T*k, F] (or planar: ``PLANAR_H_MAX_TOKENS``);
 2. the down kernel, one program per (token, block of br output rows): for each of the token's k
    pairs and each tile of bfb hidden units, w2[e]'s br rows times the pair's h scaled by its
    routing weight; each output row is written once.
@@ -231,9 +231,11 @@ SPLIT_MIN_TOKENS = 1  # tokens from which the MoE layer takes these two kernels 
 # w2 tile it multiplies. Interleaved ([T*k, F]), the down kernel reads each plane with stride 2, in a layout
 # Triton converts to the tile's through shared memory: two conversions per tile, 96 barriers a program at
 # `mini`'s one-token down tiles, one planar (sm_90 SASS by benchmarks/triton_sass.py, nineteenth session).
-# A candidate (False) until a GPU times it: the "planar h" candidate of benchmarks/decode_variants.py.
+# At 8 tokens (down tiles of 8 rows) the down kernel keeps its 96 conversions either way. Planar up to this
+# many tokens (0: never): on the H200 the batch-1 MoE chain took 22.6 us a layer planar against 24.0
+# interleaved, and the 8-token step was no faster (benchmarks/RESULTS.md, issue 4, twentieth session).
 # Read at the call.
-PLANAR_H = False
+PLANAR_H_MAX_TOKENS = 1
 
 
 def _fit(w1: MXTensor, tokens: int, blocks: MXBlocks | None, down_blocks: MXBlocks | None, planar: bool
@@ -264,7 +266,7 @@ def fused_moe_mx_split(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, weigh
     ``SPLIT_MOE_DOWN_BLOCKS_ONE_TOKEN`` for one token, else ``SPLIT_MOE_DOWN_BLOCKS``. Each program
     unrolls its tiles, so R / blocks.bk and k * F / down_blocks.bk set the kernels' code size."""
     _check_moe_operands(x, w1, w3, w2, weights, experts)
-    planar = PLANAR_H
+    planar = x.shape[0] <= PLANAR_H_MAX_TOKENS
     blocks, down_blocks = _fit(w1, x.shape[0], blocks, down_blocks, planar)
     interpret = pallas_interpret() if interpret is None else interpret
     return _fused_moe_mx_split(x, w1, w3, w2, weights, experts, act=act, blocks=blocks, down_blocks=down_blocks,
@@ -287,7 +289,7 @@ def routed_moe_mx_split(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, logi
         raise ValueError(f"x [T, R] = {x.shape}, logits [T, E] = {logits.shape} and w1 [E, F, R] = {w1.shape} disagree")
     pairs = jax.ShapeDtypeStruct((T, k), jnp.int32)
     _check_moe_operands(x, w1, w3, w2, pairs, pairs)
-    planar = PLANAR_H
+    planar = T <= PLANAR_H_MAX_TOKENS
     blocks, down_blocks = _fit(w1, T, blocks, down_blocks, planar)
     interpret = pallas_interpret() if interpret is None else interpret
     return _routed_moe_mx_split(x, w1, w3, w2, logits, correction_bias, act=act, k=k, renormalize=renormalize,
@@ -296,5 +298,5 @@ def routed_moe_mx_split(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, logi
                                 interpret=interpret)
 
 
-__all__ = ["SPLIT_MIN_TOKENS", "SPLIT_MOE_BLOCKS", "SPLIT_MOE_DOWN_BLOCKS", "SPLIT_MOE_DOWN_BLOCKS_ONE_TOKEN",
+__all__ = ["PLANAR_H_MAX_TOKENS", "SPLIT_MIN_TOKENS", "SPLIT_MOE_BLOCKS", "SPLIT_MOE_DOWN_BLOCKS", "SPLIT_MOE_DOWN_BLOCKS_ONE_TOKEN",
            "fused_moe_mx_split", "routed_moe_mx_split"]
