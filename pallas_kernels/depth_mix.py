@@ -30,17 +30,6 @@ from pallas_kernels._triton import triton_params
 _F32 = jnp.float32
 
 
-def _store_normed(out_ref, row, cols, mixed, norm_weight, eps: float | None) -> None:
-    """Row ``row`` of out [M, D]: the float32 mix [1, D'] rounded to out's dtype, then (with a norm weight)
-    RMS-normed in float32 over the D columns ``cols`` masks in and rounded again."""
-    mixed = mixed.astype(out_ref.dtype)
-    if norm_weight is not None:
-        m = mixed.astype(_F32)
-        inverse = jax.lax.rsqrt(jnp.sum(m * m, axis=1, keepdims=True) / out_ref.shape[1] + eps)
-        mixed = (m * inverse * norm_weight).astype(out_ref.dtype)
-    pltriton.store(out_ref.at[pl.ds(row, 1), pl.ds(0, cols.shape[1])], mixed, mask=cols)
-
-
 def _mix_norm_kernel(partial_ref, blocks_ref, count_ref, site_norm_ref, site_proj_ref, *refs, mix_eps: float,
                      eps: float | None):
     """Refs: partial [M, D], blocks [N, M, D], count [1] int32, the mix site's norm and projection
@@ -66,52 +55,21 @@ def _mix_norm_kernel(partial_ref, blocks_ref, count_ref, site_norm_ref, site_pro
     top = functools.reduce(jnp.maximum, scores)
     e = [jnp.exp(score - top) for score in scores]
     total = functools.reduce(jnp.add, e)
-    mixed = functools.reduce(jnp.add, [w / total * x for w, x in zip(e, sources)])
-    _store_normed(out_ref, row, cols, mixed, norm_weight, eps)
+    mixed = functools.reduce(jnp.add, [w / total * x for w, x in zip(e, sources)]).astype(out_ref.dtype)
+    if norm_weight is not None:
+        m = mixed.astype(_F32)
+        inverse = jax.lax.rsqrt(jnp.sum(m * m, axis=1, keepdims=True) / depth + eps)
+        mixed = (m * inverse * norm_weight).astype(out_ref.dtype)
+    pltriton.store(out_ref.at[pl.ds(row, 1), pl.ds(0, width)], mixed, mask=cols)
 
 
-def _mix_norm_kernel_stacked(partial_ref, blocks_ref, count_ref, site_norm_ref, site_proj_ref, *refs, mix_eps: float,
-                             eps: float | None):
-    """``_mix_norm_kernel`` with the stored blocks loaded as one [N', D'] tile (N' the next power of two,
-    the rows past N masked), so each of their sums (squares, query products, the softmax's, the weighted
-    sum over depth) is one reduction over the tile rather than one per block: at `mini` (8 blocks, 4 warps)
-    9 barriers instead of 37 in the sm_90 SASS (benchmarks/triton_sass.py). Sums in another order than
-    ``_mix_norm_kernel``'s (float32 rounding)."""
-    norm_ref, out_ref = refs if eps is not None else (None, refs[0])
-    row = pl.program_id(0)
-    n, depth = blocks_ref.shape[0], partial_ref.shape[1]
-    width, slots = pl.next_power_of_2(depth), pl.next_power_of_2(n)
-    cols = jax.lax.broadcasted_iota(jnp.int32, (1, width), 1) < depth
-    load = lambda ref, mask=cols: pltriton.load(ref, mask=mask, other=0).astype(_F32)
-    stored = (jax.lax.broadcasted_iota(jnp.int32, (slots, 1, width), 0) < n) & cols[None]
-    blocks = load(blocks_ref.at[pl.ds(0, slots), pl.ds(row, 1), pl.ds(0, width)], stored).reshape(slots, width)
-    partial = load(partial_ref.at[pl.ds(row, 1), pl.ds(0, width)])
-    query = load(site_norm_ref.at[:, pl.ds(0, width)]) * load(site_proj_ref.at[:, pl.ds(0, width)])
-    count = pltriton.load(count_ref.at[pl.ds(0, 1)])
-    norm_weight = None if norm_ref is None else load(norm_ref.at[:, pl.ds(0, width)])
-    score = lambda x: jnp.sum(x * query, axis=1) * jax.lax.rsqrt(jnp.sum(x * x, axis=1) / depth + mix_eps)
-    slot = jax.lax.broadcasted_iota(jnp.int32, (slots,), 0)
-    scores = jnp.where((slot < count) & (slot < n), score(blocks), -jnp.inf)
-    partial_score = score(partial)[0]
-    top = jnp.maximum(jnp.max(scores), partial_score)
-    e, e_partial = jnp.exp(scores - top), jnp.exp(partial_score - top)
-    total = jnp.sum(e) + e_partial
-    mixed = jnp.sum((e / total)[:, None] * blocks, axis=0)[None, :] + e_partial / total * partial
-    _store_normed(out_ref, row, cols, mixed, norm_weight, eps)
-
-
-# Whether ``mix_norm`` takes ``_mix_norm_kernel_stacked``: a candidate (False) until a GPU times it, the
-# "stacked mix" candidate of benchmarks/decode_variants.py. Read at the call.
-STACKED = False
-
-
-@functools.partial(jax.jit, static_argnames=("mix_eps", "eps", "stacked", "interpret"))
-def _mix_norm(partial, blocks, count, site_norm, site_proj, norm_weight, *, mix_eps, eps, stacked, interpret):
+@functools.partial(jax.jit, static_argnames=("mix_eps", "eps", "interpret"))
+def _mix_norm(partial, blocks, count, site_norm, site_proj, norm_weight, *, mix_eps, eps, interpret):
     m_rows, depth = partial.shape
     warps = min(16, max(4, (blocks.shape[0] + 1) * pl.next_power_of_2(depth) // 4096))
     params = triton_params(warps, 1, interpret)
     return pl.pallas_call(
-        functools.partial(_mix_norm_kernel_stacked if stacked else _mix_norm_kernel, mix_eps=mix_eps, eps=eps),
+        functools.partial(_mix_norm_kernel, mix_eps=mix_eps, eps=eps),
         out_shape=jax.ShapeDtypeStruct(partial.shape, partial.dtype),
         grid=(m_rows,),
         compiler_params=params,
@@ -138,7 +96,7 @@ def mix_norm(partial: Array, blocks: Array, count: Array | int, mix_norm_weight:
     interpret = pallas_interpret() if interpret is None else interpret
     norm_weight, eps = (None, None) if norm is None else (norm[0], float(norm[1]))
     return _mix_norm(partial, blocks, count, mix_norm_weight, mix_proj_weight, norm_weight, mix_eps=float(mix_eps),
-                     eps=eps, stacked=STACKED, interpret=interpret)
+                     eps=eps, interpret=interpret)
 
 
 __all__ = ["mix_norm"]

@@ -30,20 +30,12 @@ from pallas_kernels._triton import triton_params
 
 _F32 = jnp.float32
 BLOCK_CHANNELS = 256  # channels per program (at most; a power of two dividing F)
-# Whether the kernel reads the taps transposed, [W, F] (an XLA transpose that depends on the weights alone,
-# so it runs beside the step's chain), each tap j of a block of channels in the layout of the inputs it
-# multiplies; [F, W] reads each tap with stride W, in a layout Triton converts through shared memory: 29
-# barriers and 383 instructions in `mini`'s sm_90 SASS, against none and 237 (benchmarks/triton_sass.py;
-# the same products in the same order). A candidate (False) until a GPU times it: "conv taps by row" in
-# benchmarks/decode_variants.py. Read at the call.
-TAPS_BY_ROW = False
 
 
-def _conv_silu_kernel(*refs, n_inputs: int, block: int, taps_by_row: bool):
-    """Refs: xs [B, F] (n_inputs), taps [F, W] (n_inputs; [W, F] with ``taps_by_row``), the state input
-    [B, W-1, n F], then ys [B, F] float32 (n_inputs) and the state output, which is the state input's
-    buffer (aliased): the state is read and written through that one ref, so its loads and stores keep
-    their program order."""
+def _conv_silu_kernel(*refs, n_inputs: int, block: int):
+    """Refs: xs [B, F] (n_inputs), taps [F, W] (n_inputs), the state input [B, W-1, n F], then ys [B, F]
+    float32 (n_inputs) and the state output, which is the state input's buffer (aliased): the state is
+    read and written through that one ref, so its loads and stores keep their program order."""
     xs, taps = refs[:n_inputs], refs[n_inputs:2 * n_inputs]
     ys, state = refs[2 * n_inputs + 1:3 * n_inputs + 1], refs[-1]
     b, program = pl.program_id(0), pl.program_id(1)
@@ -58,10 +50,7 @@ def _conv_silu_kernel(*refs, n_inputs: int, block: int, taps_by_row: bool):
             at = lambda r: (pl.ds(b, 1), pl.ds(r, 1), pl.ds(i * width + first, block))
             x = xs[i][pl.ds(b, 1), channels].astype(_F32).reshape(block)
             past = [state[at(r)].reshape(block) for r in range(rows)]
-            if taps_by_row:  # taps [W, F]: row j holds every channel's tap j, in the inputs' layout
-                tap = lambda j: pltriton.load(taps[i].at[pl.ds(j, 1), channels]).reshape(block)
-            else:
-                tap = lambda j: pltriton.load(taps[i].at[channels, pl.ds(j, 1)]).reshape(block)
+            tap = lambda j: pltriton.load(taps[i].at[channels, pl.ds(j, 1)]).reshape(block)
             y = jnp.zeros((block,), _F32)
             for j, value in enumerate(past + [x]):
                 y = y + value * tap(j)
@@ -70,21 +59,21 @@ def _conv_silu_kernel(*refs, n_inputs: int, block: int, taps_by_row: bool):
                 state[at(r)] = value.reshape(1, 1, block)
 
 
-@functools.partial(jax.jit, static_argnames=("taps_by_row", "interpret"))
-def _conv_silu_step(xs, taps, state, *, taps_by_row: bool, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def _conv_silu_step(xs, taps, state, *, interpret: bool):
     B, width = xs[0].shape
     block = min(BLOCK_CHANNELS, width & -width)
     n = len(xs)
     out_shape = [jax.ShapeDtypeStruct((B, width), _F32)] * n + [jax.ShapeDtypeStruct(state.shape, _F32)]
     *ys, new_state = pl.pallas_call(
-        functools.partial(_conv_silu_kernel, n_inputs=n, block=block, taps_by_row=taps_by_row),
+        functools.partial(_conv_silu_kernel, n_inputs=n, block=block),
         out_shape=out_shape,
         grid=(B, n * (width // block)),
         input_output_aliases={2 * n: n},
         compiler_params=triton_params(4, 1, interpret),
         interpret=interpret,
         name="conv_silu_step",
-    )(*xs, *(tuple(w.T for w in taps) if taps_by_row else taps), state)
+    )(*xs, *taps, state)
     return tuple(ys), new_state
 
 
@@ -109,7 +98,7 @@ def conv_silu_step(xs: Sequence[Array], taps: Sequence[Array], state: Array, *,
                          f"got {state.dtype} {state.shape}")
     taps = tuple(w.astype(_F32) for w in taps)
     interpret = pallas_interpret() if interpret is None else interpret
-    return _conv_silu_step(xs, taps, state, taps_by_row=TAPS_BY_ROW, interpret=interpret)
+    return _conv_silu_step(xs, taps, state, interpret=interpret)
 
 
-__all__ = ["BLOCK_CHANNELS", "TAPS_BY_ROW", "conv_silu_step"]
+__all__ = ["BLOCK_CHANNELS", "conv_silu_step"]

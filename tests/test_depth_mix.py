@@ -13,7 +13,6 @@ from k3jax.functional.norms import rms_norm
 from k3jax.layers.basic import RMSNorm
 from k3jax.layers.mlp import activation
 from k3jax.layers.moe import MoE
-from pallas_kernels import depth_mix
 from pallas_kernels.depth_mix import mix_norm
 
 DEPTH, EPS, MIX_EPS = 200, 1e-5, 1e-6  # D not a power of two: the padded columns are masked
@@ -30,13 +29,10 @@ def _inputs(m: int, dtype, seed: int):
     return sources[:3], sources[3], site_norm, site_proj, norm_weight.astype(dtype)
 
 
-@pytest.mark.parametrize("stacked", [False, True])
 @pytest.mark.parametrize("m,count,dtype,norm", [(1, 2, jnp.bfloat16, True), (3, 0, jnp.float32, True),
                                                 (3, 3, jnp.bfloat16, False)])
-def test_mix_norm_matches_mix_then_norm(monkeypatch, stacked, m, count, dtype, norm):
-    """Blocks past ``count`` hold random values the mix must ignore; both kernels (``STACKED``: the three
-    blocks in one tile of four rows, the fourth masked)."""
-    monkeypatch.setattr(depth_mix, "STACKED", stacked)
+def test_mix_norm_matches_mix_then_norm(m, count, dtype, norm):
+    """Blocks past ``count`` hold random values the mix must ignore."""
     blocks, partial, site_norm, site_proj, norm_weight = _inputs(m, dtype, seed=m + count)
     rms = (norm_weight, EPS) if norm else None
     out = mix_norm(partial, blocks, count, site_norm, site_proj, MIX_EPS, rms)
@@ -49,10 +45,8 @@ def test_mix_norm_matches_mix_then_norm(monkeypatch, stacked, m, count, dtype, n
     np.testing.assert_allclose(np.float32(out), np.float32(ref), rtol=tolerance, atol=tolerance)
 
 
-@pytest.mark.parametrize("stacked", [False, True])
-def test_lowers_for_cuda_through_triton(monkeypatch, stacked):
+def test_lowers_for_cuda_through_triton():
     """Pallas' Triton lowering of the kernel (padded, masked row), on the CPU."""
-    monkeypatch.setattr(depth_mix, "STACKED", stacked)
     f = lambda p, b, n, w: mix_norm(p, b, n, w, w, MIX_EPS, (w, EPS), interpret=False)
     args = [jax.ShapeDtypeStruct(s, d) for s, d in [((1, 2000), jnp.bfloat16), ((3, 1, 2000), jnp.bfloat16),
                                                     ((), jnp.int32), ((2000,), jnp.float32)]]

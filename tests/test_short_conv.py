@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 from k3jax.functional.conv import causal_conv
-from pallas_kernels import short_conv
 from pallas_kernels.short_conv import conv_silu_step
 
 W = 4
@@ -21,12 +20,9 @@ def _inputs(batch: int, width: int, dtype, seed: int):
     return xs, taps, state
 
 
-@pytest.mark.parametrize("taps_by_row", [False, True])
 @pytest.mark.parametrize("batch,width,dtype", [(1, 48, jnp.bfloat16), (3, 512, jnp.float32)])
-def test_conv_silu_step_matches_causal_conv(monkeypatch, taps_by_row, batch, width, dtype):
-    """48 channels: blocks of 16, three per input; 512: two blocks of 256 per input; the taps read as
-    given or transposed (``TAPS_BY_ROW``)."""
-    monkeypatch.setattr(short_conv, "TAPS_BY_ROW", taps_by_row)
+def test_conv_silu_step_matches_causal_conv(batch, width, dtype):
+    """48 channels: blocks of 16, three per input; 512: two blocks of 256 per input."""
     xs, taps, state = _inputs(batch, width, dtype, seed=width)
     y, new_state = causal_conv(jnp.concatenate(xs, axis=-1)[:, None], jnp.concatenate(taps), state)
     ys, got_state = jax.jit(conv_silu_step)(xs, taps, state)
@@ -35,9 +31,7 @@ def test_conv_silu_step_matches_causal_conv(monkeypatch, taps_by_row, batch, wid
     np.testing.assert_array_equal(got_state, new_state)
 
 
-@pytest.mark.parametrize("taps_by_row", [False, True])
-def test_lowers_for_cuda_through_triton(monkeypatch, taps_by_row):
-    monkeypatch.setattr(short_conv, "TAPS_BY_ROW", taps_by_row)
+def test_lowers_for_cuda_through_triton():
     f = lambda xs, taps, state: conv_silu_step(xs, taps, state, interpret=False)
     xs = [jax.ShapeDtypeStruct((2, 2048), jnp.bfloat16)] * 3
     taps = [jax.ShapeDtypeStruct((2048, W), jnp.float32)] * 3
