@@ -1,11 +1,12 @@
 """Decode step of a preset on the Pallas path with and without each of the latest step changes, in one
 process: every variant's step is traced and compiled first (each from a copy of one prefilled cache),
-then the variants are timed round-robin (five rounds of 20 steps, best round, each under its own
-switches), so lease-to-lease drift does not enter the comparison.
+then the variants are timed round-robin (``--rounds`` rounds of 20 steps, default 15, each under its own
+switches; the best and the median round printed), so lease-to-lease drift does not enter the comparison.
+Five rounds spread 25-35% on the H200 (twentieth session): a change of a few percent needs the medians of
+more rounds.
 
-    python3 benchmarks/decode_variants.py [preset [variant ...]] [--batch N]   (default mini, every
-                                                                                variant, batch 1; tiny
-                                                                                runs on a CPU)
+    python3 benchmarks/decode_variants.py [preset [variant ...]] [--batch N] [--rounds N]
+                                          (default mini, every variant, batch 1; tiny runs on a CPU)
 
 Each switch turns one change off (module attributes read while a step is traced):
 - short convs by XLA: ``k3jax.layers.kda._short_convs`` set to its XLA form (not ``pallas_kernels.short_conv``);
@@ -69,6 +70,7 @@ SWITCHES = Switches(OFF, CANDIDATES)
 def main() -> None:
     ap = SWITCHES.arguments(__doc__)
     ap.add_argument("--batch", type=int, default=1, help="sequences per decode step")
+    ap.add_argument("--rounds", type=int, default=15, help="timed rounds of 20 steps per variant")
     args = ap.parse_args()
     cfg = preset(args.preset)
     model = K3Model(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16)
@@ -93,7 +95,7 @@ def main() -> None:
             err = float(jnp.linalg.norm(logits - first) / jnp.linalg.norm(first))
             print(f"{name}: first logits rel err vs default {err:.2e}")
         times = {name: [] for name in names}
-        for _ in range(5):
+        for _ in range(args.rounds):
             for name, run in runs.items():
                 gen, token, cache, _ = run
                 SWITCHES.use(name)  # a retrace takes this variant's form
@@ -103,9 +105,9 @@ def main() -> None:
                 jax.block_until_ready(token)
                 times[name].append((time.perf_counter() - start) / 20)
                 run[1:3] = [token, cache]
-    print(f"\n{cfg.name}, B={batch} decode step, ms | best | rounds")
+    print(f"\n{cfg.name}, B={batch} decode step, ms | best | median | rounds")
     for name, ts in times.items():
-        print(f"{name} | {min(ts) * 1e3:.3f} | {' '.join(f'{t * 1e3:.3f}' for t in ts)}")
+        print(f"{name} | {min(ts) * 1e3:.3f} | {np.median(ts) * 1e3:.3f} | {' '.join(f'{t * 1e3:.3f}' for t in ts)}")
 
 
 if __name__ == "__main__":
