@@ -115,8 +115,7 @@ def main() -> None:
                 paths = source_paths(hlo)
                 print(kernel_table(times, paths, top=args.profile_top))
                 if hlo:
-                    print(chain_table(critical_path(hlo, times, args.profile_gap), paths, args.profile_gap,
-                                      top=args.profile_top))
+                    print(chain_table(critical_path(hlo, times, args.profile_gap), paths, top=args.profile_top))
             floor = decode_floor_bytes(cfg, counts, batch, args.prompt + 1) / bw
             row(f"decode B={batch}", f"{step * 1e3:.2f} ms", f"floor {floor * 1e3:.2f} ms", f"{step / floor:.1f}x floor",
                 f"{batch / step:,.0f} tok/s")

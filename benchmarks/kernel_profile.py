@@ -153,9 +153,13 @@ def _skip_parens(text: str, start: int) -> int:
 
 
 class ChainLink(NamedTuple):
+    """An instruction on the critical path: its kernels' device us per call, its kernels per call, and the
+    launch gaps the path counted for them (us)."""
+
     name: str
     us: float
     kernels: float
+    gaps: float
 
 
 def critical_path(hlo: str, times: DeviceTimes, gap_us: float = 0.7) -> list[ChainLink]:
@@ -173,18 +177,20 @@ def critical_path(hlo: str, times: DeviceTimes, gap_us: float = 0.7) -> list[Cha
     chain, name = [], max(longest, key=longest.get, default=None)
     while name is not None:
         if name in times.us:
-            chain.append(ChainLink(name, times.us[name], times.kernels[name]))
+            chain.append(ChainLink(name, times.us[name], times.kernels[name], gap_us * times.kernels[name]))
         name = before[name]
     return chain[::-1]
 
 
-def chain_table(chain: list[ChainLink], paths: dict[str, str], gap_us: float = 0.7, top: int = 25) -> str:
-    """The critical path summed: its kernels' time, its gaps, and the time by source path."""
+def chain_table(chain: list[ChainLink], paths: dict[str, str], top: int = 25) -> str:
+    """The critical path summed: its kernels' time, its gaps (as ``critical_path`` counted them), and the
+    time by source path."""
     kernels, busy = sum(link.kernels for link in chain), sum(link.us for link in chain)
+    gaps = sum(link.gaps for link in chain)
     by_path = collections.Counter()
     for link in chain:
-        by_path[short_path(paths.get(link.name, link.name), depth=2)] += link.us + gap_us * link.kernels
-    lines = [f"critical path {busy + gap_us * kernels:,.1f} us: {busy:,.1f} us in {kernels:.0f} kernels + "
-             f"{gap_us} us a launch gap", f"{'us/call':>9}  by source path (gaps included)"]
+        by_path[short_path(paths.get(link.name, link.name), depth=2)] += link.us + link.gaps
+    lines = [f"critical path {busy + gaps:,.1f} us: {busy:,.1f} us in {kernels:.0f} kernels + {gaps:,.1f} us of "
+             f"launch gaps", f"{'us/call':>9}  by source path (gaps included)"]
     lines += [f"{us:9.1f}  {path}" for path, us in by_path.most_common(top)]
     return "\n".join(lines)

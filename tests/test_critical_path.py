@@ -54,7 +54,8 @@ def test_critical_path_by_hand(gap, k2_us, expected):
     chain = critical_path(HLO, times, gap)
     assert [link.name for link in chain] == expected
     total = sum(times.us[n] + gap for n in expected)
-    assert chain_table(chain, PATHS, gap).startswith(f"critical path {total:,.1f} us: ")
+    assert chain_table(chain, PATHS).startswith(f"critical path {total:,.1f} us: ")
+    assert f"+ {gap * len(expected):,.1f} us of launch gaps" in chain_table(chain, PATHS)
 
 
 @pytest.mark.parametrize("k3_kernels,expected", [(1, ["k4"]), (2, ["k1", "k3"])])
