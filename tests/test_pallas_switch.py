@@ -69,10 +69,10 @@ def test_kda_layer_ragged_rows():
     assert rel_err(pal[3][1], pal[4]) < 5e-3  # row 1's state is the state after its 13 tokens
 
 
-# (3, 1): 6 (token, expert) pairs, the fused decode MoE's two kernels; (5, 7): 70, sorted; (1, 1): one
-# row, the two kernels with one output row per down program, the input maps (norm, router, latent, shared gate and up) in one matvec
-# kernel, and the latent norm and up projection in another; (1, 1) apart: the shared gate and up in a matvec kernel
-# of their own (``SHARED_INPUTS_APART``)
+# (3, 1): 6 (token, expert) pairs, the fused decode MoE's two kernels; (5, 7): 70, sorted; (1, 1): one row,
+# the two kernels with one output row per down program, the input maps (norm, router, latent, shared gate and
+# up) in one matvec kernel, and the latent norm and up projection in another; (1, 1) apart: the shared gate
+# and up in a matvec kernel of their own (``SHARED_INPUTS_APART``)
 @pytest.mark.parametrize("tokens,apart", [((3, 1), False), ((5, 7), False), ((1, 1), False), ((1, 1), True)])
 def test_moe_layer_with_packed_experts(monkeypatch, tokens, apart):
     import k3jax.layers.moe as moe_layer

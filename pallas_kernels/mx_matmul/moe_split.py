@@ -298,5 +298,5 @@ def routed_moe_mx_split(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, logi
                                 interpret=interpret)
 
 
-__all__ = ["PLANAR_H_MAX_TOKENS", "SPLIT_MIN_TOKENS", "SPLIT_MOE_BLOCKS", "SPLIT_MOE_DOWN_BLOCKS", "SPLIT_MOE_DOWN_BLOCKS_ONE_TOKEN",
-           "fused_moe_mx_split", "routed_moe_mx_split"]
+__all__ = ["PLANAR_H_MAX_TOKENS", "SPLIT_MIN_TOKENS", "SPLIT_MOE_BLOCKS", "SPLIT_MOE_DOWN_BLOCKS",
+           "SPLIT_MOE_DOWN_BLOCKS_ONE_TOKEN", "fused_moe_mx_split", "routed_moe_mx_split"]
