@@ -238,11 +238,13 @@ SPLIT_MIN_TOKENS = 1  # tokens from which the MoE layer takes these two kernels 
 PLANAR_H_MAX_TOKENS = 1
 
 
-def _fit(w1: MXTensor, tokens: int, blocks: MXBlocks | None, down_blocks: MXBlocks | None, planar: bool
-         ) -> tuple[MXBlocks, MXBlocks]:
+def _fit(w1: MXTensor, tokens: int, blocks: MXBlocks | None, down_blocks: MXBlocks | None
+         ) -> tuple[MXBlocks, MXBlocks, bool]:
     """The tiles shrunk to fit w1's F and R (see ``fused_moe_mx_split``); where not given, the module's
-    defaults as they are at the call (so a benchmark can switch them), the down tiles by the token count.
-    A planar h needs an even and an odd unit in each hidden program."""
+    defaults as they are at the call (so a benchmark can switch them), the down tiles by the token count;
+    and whether h is planar at this token count (``PLANAR_H_MAX_TOKENS``, read at the call). A planar h
+    needs an even and an odd unit in each hidden program."""
+    planar = tokens <= PLANAR_H_MAX_TOKENS
     _, F, R = w1.shape
     blocks = SPLIT_MOE_BLOCKS if blocks is None else blocks
     if down_blocks is None:
@@ -252,7 +254,7 @@ def _fit(w1: MXTensor, tokens: int, blocks: MXBlocks | None, down_blocks: MXBloc
     blocks = dataclasses.replace(blocks, bn=bn, bk=scale_blocks(R, blocks.bk))
     down_blocks = dataclasses.replace(down_blocks, bn=_largest_pow2_divisor(R, down_blocks.bn),
                                       bk=scale_blocks(F, down_blocks.bk))
-    return blocks, down_blocks
+    return blocks, down_blocks, planar
 
 
 def fused_moe_mx_split(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, weights: Array, experts: Array, act, *,
@@ -266,8 +268,7 @@ def fused_moe_mx_split(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, weigh
     ``SPLIT_MOE_DOWN_BLOCKS_ONE_TOKEN`` for one token, else ``SPLIT_MOE_DOWN_BLOCKS``. Each program
     unrolls its tiles, so R / blocks.bk and k * F / down_blocks.bk set the kernels' code size."""
     _check_moe_operands(x, w1, w3, w2, weights, experts)
-    planar = x.shape[0] <= PLANAR_H_MAX_TOKENS
-    blocks, down_blocks = _fit(w1, x.shape[0], blocks, down_blocks, planar)
+    blocks, down_blocks, planar = _fit(w1, x.shape[0], blocks, down_blocks)
     interpret = pallas_interpret() if interpret is None else interpret
     return _fused_moe_mx_split(x, w1, w3, w2, weights, experts, act=act, blocks=blocks, down_blocks=down_blocks,
                                out_dtype=jnp.dtype(x.dtype if out_dtype is None else out_dtype), planar=planar,
@@ -289,8 +290,7 @@ def routed_moe_mx_split(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, logi
         raise ValueError(f"x [T, R] = {x.shape}, logits [T, E] = {logits.shape} and w1 [E, F, R] = {w1.shape} disagree")
     pairs = jax.ShapeDtypeStruct((T, k), jnp.int32)
     _check_moe_operands(x, w1, w3, w2, pairs, pairs)
-    planar = T <= PLANAR_H_MAX_TOKENS
-    blocks, down_blocks = _fit(w1, T, blocks, down_blocks, planar)
+    blocks, down_blocks, planar = _fit(w1, T, blocks, down_blocks)
     interpret = pallas_interpret() if interpret is None else interpret
     return _routed_moe_mx_split(x, w1, w3, w2, logits, correction_bias, act=act, k=k, renormalize=renormalize,
                                 scaling=float(scaling_factor), blocks=blocks, down_blocks=down_blocks,
