@@ -24,9 +24,7 @@ Each switch turns one change off (module attributes read while a step is traced)
   kernel before the fused MoE, not by its hidden programs);
 - h interleaved: ``pallas_kernels.mx_matmul.moe_split.PLANAR_H_MAX_TOKENS`` 0 (the two-kernel MoE's h stored
   [T*k, F] between its kernels at one token too, not planar).
-A candidate turns a form on that is not the default yet (``CANDIDATES``):
-- shared inputs apart: ``k3jax.layers.moe.SHARED_INPUTS_APART`` True (the shared experts' gate and up maps in a
-  matvec kernel beside the router's and the latent down map's, so the routed experts do not wait for them).
+A candidate turns a form on that is not the default yet (``CANDIDATES``; none at present).
 Variants: the default, each switch alone, each candidate alone, all the changes off, all the candidates on.
 Also prints each variant's first logits against the default's (with random bf16 weights the model amplifies
 float32 summation order).
@@ -43,7 +41,6 @@ from flax import nnx
 
 import k3jax.inference as inference
 import k3jax.layers.kda as kda
-import k3jax.layers.moe as moe_module
 import k3jax.model as model_module
 import pallas_kernels.mx_matmul as mx_matmul
 import pallas_kernels.mx_matmul.moe_split as moe_split
@@ -66,9 +63,7 @@ OFF = {  # a change's name -> (owner, attribute, value with the change off)
     "selection kernel": (MoE, "_routes_in_kernel", lambda self, tokens: False),
     "h interleaved": (moe_split, "PLANAR_H_MAX_TOKENS", 0),
 }
-CANDIDATES = {  # a candidate's name -> (owner, attribute, value with it on)
-    "shared inputs apart": (moe_module, "SHARED_INPUTS_APART", True),
-}
+CANDIDATES: dict = {}  # a candidate's name -> (owner, attribute, value with it on)
 SWITCHES = Switches(OFF, CANDIDATES)
 
 

@@ -179,34 +179,6 @@ def test_project_kernel_prologue_equals_xla(name, monkeypatch):
     np.testing.assert_allclose(np.float32(got), np.float32(want), rtol=1e-2, atol=1e-2)
 
 
-def test_project_apart_is_a_second_kernel_with_the_same_sums(monkeypatch):
-    """``apart``: a MoE's maps of one mixed and normed row (router float32, latent down, shared gate and
-    up) with the last two in a second matvec kernel: one more kernel, each output bitwise what the one
-    kernel gives, and within float32 summation order of XLA's einsums (kernel rows set to 0)."""
-    f32, bf16 = jnp.float32, jnp.bfloat16
-    k = jax.random.split(jax.random.key(31), 8)
-    blocks = (3.0 * jax.random.normal(k[0], (3, 1, 1, 64), f32)).astype(bf16)
-    partial = jax.random.normal(k[1], (1, 1, 64), f32).astype(bf16)
-    mix = DepthMix(blocks, 2, partial, 1.0 + 0.1 * jax.random.normal(k[2], (64,)), 0.3 * jax.random.normal(k[3], (64,)),
-                   1e-6)
-    norm = RMSNorm(64, 1e-5, param_dtype=bf16)
-    weights = [jax.random.normal(k[4], (8, 64), f32)] + [jax.random.normal(key, (n, 64), f32).astype(bf16)
-                                                          for key, n in zip(k[5:], (32, 24, 24))]
-    dtypes = [f32, bf16, bf16, bf16]
-    call = lambda apart: project(mix, weights, dtypes, norm, apart=apart)
-    with use_implementation("pallas"):
-        kernels = [str(jax.make_jaxpr(lambda: call(apart))()).count("pallas_call[") for apart in (0, 2)]
-        together, apart = call(0), call(2)
-        monkeypatch.setattr(basic, "MATVEC_KERNEL_ROWS", 0)
-        xla = call(2)
-    assert kernels[1] == kernels[0] + 1
-    for one, two, want in zip(together, apart, xla):
-        assert two.shape == want.shape and two.dtype == want.dtype
-        np.testing.assert_array_equal(np.float32(two), np.float32(one))
-        tolerance = 1e-5 if two.dtype == f32 else 1e-2
-        np.testing.assert_allclose(np.float32(two), np.float32(want), rtol=tolerance, atol=tolerance)
-
-
 def test_project_keeps_a_wide_activation_on_xla():
     """An ``Activated`` wider than ``ACT_PROLOGUE_MAX_WIDTH`` is not computed in the kernel's prologue
     (measured slower): project traces XLA's act and einsum, no kernel."""

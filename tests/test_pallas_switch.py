@@ -71,15 +71,10 @@ def test_kda_layer_ragged_rows():
 
 # (3, 1): 6 (token, expert) pairs, the fused decode MoE's two kernels; (5, 7): 70, sorted; (1, 1): one row,
 # the two kernels with one output row per down program, the input maps (norm, router, latent, shared gate and
-# up) in one matvec kernel, and the latent norm and up projection in another; (1, 1) apart: the shared gate
-# and up in a matvec kernel of their own (``SHARED_INPUTS_APART``)
-@pytest.mark.parametrize("tokens,apart", [((3, 1), False), ((5, 7), False), ((1, 1), False), ((1, 1), True)])
-def test_moe_layer_with_packed_experts(monkeypatch, tokens, apart):
-    import k3jax.layers.moe as moe_layer
-
-    monkeypatch.setattr(moe_layer, "SHARED_INPUTS_APART", apart)
+# up) in one matvec kernel, and the latent norm and up projection in another
+@pytest.mark.parametrize("tokens", [(3, 1), (5, 7), (1, 1)])
+def test_moe_layer_with_packed_experts(tokens):
     cfg = preset("tiny")
-    assert cfg.moe.num_shared_experts and cfg.moe.latent_size
     layer = MoE(cfg.hidden_size, cfg.moe, activation("situ"), cfg.rms_norm_eps, rngs=nnx.Rngs(3), packed_experts=True)
     norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
     norm.weight.set_value(1.0 + jax.random.normal(jax.random.key(5), (cfg.hidden_size,)))

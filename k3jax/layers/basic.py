@@ -145,7 +145,7 @@ def _prologue_kwargs(x: "Array | Activated", norm: "RMSNorm | None", read_as, dt
 
 
 def project(x: "Array | DepthMix | Activated", weights: Sequence[Array], dtypes: Sequence | None = None,
-            norm: "RMSNorm | None" = None, *, read_as=None, add: Sequence[Array] = (), apart: int = 0) -> list[Array]:
+            norm: "RMSNorm | None" = None, *, read_as=None, add: Sequence[Array] = ()) -> list[Array]:
     """x [..., D] times each weight [N_i, D]^T, as ``einsum(x.astype(dt), w.astype(dt))`` with dt =
     dtypes[i] (default x's dtype as prepared below; float32 sums): what ``Linear`` computes, or the
     router's float32 logits. x is prepared first, in this order: a Block AttnRes ``DepthMix`` is
@@ -157,9 +157,7 @@ def project(x: "Array | DepthMix | Activated", weights: Sequence[Array], dtypes:
     for one row (batch-1 decode) off TPU, one kernel computes them all, x's preparation included
     (``pallas_kernels.matvec``; an ``Activated`` only up to ``ACT_PROLOGUE_MAX_WIDTH``), instead of
     one small kernel each; a mix before them is then computed with the norm in one more small
-    kernel (``pallas_kernels.depth_mix``). ``apart``: on that kernel path, the last ``apart`` weights go to a
-    second matvec kernel of the same input, so that the readers of the first weights' outputs need not wait
-    for theirs (the same products: each output row's sum does not depend on the kernel it is in)."""
+    kernel (``pallas_kernels.depth_mix``)."""
     if isinstance(x, DepthMix) and read_as is not None:
         raise ValueError("project: read_as applies to an array or an Activated, not a DepthMix")
     if add and len(weights) != 1:
@@ -177,10 +175,7 @@ def project(x: "Array | DepthMix | Activated", weights: Sequence[Array], dtypes:
         rows, kwargs = _prologue_kwargs(x, norm, read_as, dtypes)
         fused = ADD_IN_KERNEL and all(jnp.dtype(a.dtype) == jnp.dtype(dtypes[0]) for a in add)
         flat_adds = [[a.reshape(rows.shape[0], -1) for a in add]] if fused and add else None
-        first = len(weights) - apart
-        groups = [(0, first), (first, len(weights))] if 0 < apart < len(weights) else [(0, len(weights))]
-        outs = [y.reshape(*lead, y.shape[-1]) for a, b in groups
-                for y in matvecs(rows, list(weights[a:b]), dtypes[a:b], add=flat_adds, **kwargs)]
+        outs = [y.reshape(*lead, y.shape[-1]) for y in matvecs(rows, list(weights), dtypes, add=flat_adds, **kwargs)]
         return [add_rounded(outs[0], add)] if add and not fused else outs
     if read_as is not None:
         x = x.astype(read_as) if not isinstance(x, Activated) else Activated(

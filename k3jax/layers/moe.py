@@ -51,11 +51,6 @@ class Experts(nnx.Module):
 # than the sorted dispatch, and the whole 8K prefill 60.9 against 66.6 ms (benchmarks/RESULTS.md, issue 4, sixteenth
 # session). Sparser dispatch pads more of each expert's last tile and was not measured.
 TILED_MOE_MIN_PAIRS_PER_EXPERT = 256
-# Whether the shared experts' gate and up maps run in a matvec kernel of their own, beside the one of the router
-# and the latent down map (``project``'s ``apart``), so that the routed experts start once those two are read:
-# at `mini`'s batch-1 step the one kernel reads 11 MB on the chain, the routed experts need 4.5 MB of it. A
-# candidate (False) until a GPU times it: "shared inputs apart" in benchmarks/decode_variants.py. Read at the call.
-SHARED_INPUTS_APART = False
 
 
 def _expert_matmul(x: Array, w: Array | MXTensor, group_sizes: Array) -> Array:
@@ -143,8 +138,7 @@ class MoE(nnx.Module):
             weights.append(self.routed_expert_down_proj.weight[...])
         if self.cfg.num_shared_experts:
             weights += [self.shared_experts.gate_proj.weight[...], self.shared_experts.up_proj.weight[...]]
-        apart = 2 if self.cfg.num_shared_experts and SHARED_INPUTS_APART else 0
-        outs = project(flat, weights, dtypes + [flat.dtype] * (len(weights) - 1), norm, apart=apart)
+        outs = project(flat, weights, dtypes + [flat.dtype] * (len(weights) - 1), norm)
         logits, rest = outs[0], outs[1:]
         if self.cfg.latent_size:
             return logits, rest[0], rest[1:]
