@@ -23,7 +23,7 @@ from k3jax.layers import basic
 from k3jax.memory import MXFP4_BYTES
 from k3jax.param_count import count_params
 
-from kernel_profile import chain_table, critical_path, device_times, dumped_hlo, kernel_table, source_paths
+from kernel_profile import chain_listing, chain_table, critical_path, device_times, dumped_hlo, kernel_table, source_paths
 
 
 def median_time(fn, reps: int = 10) -> float:
@@ -73,6 +73,7 @@ def main() -> None:
     ap.add_argument("--profile", default="", help="XLA dump folder (set XLA_FLAGS to dump there; see "
                     "kernel_profile.py): print where the device time of a decode step and a prefill chunk goes")
     ap.add_argument("--profile-top", type=int, default=25, help="rows per profile table")
+    ap.add_argument("--profile-chain", action="store_true", help="also list the decode step's critical path link by link")
     ap.add_argument("--profile-gap", type=float, default=0.7,
                     help="us a dependent kernel launch costs on the decode step's critical path (the H200: about 0.7)")
     args = ap.parse_args()
@@ -115,7 +116,10 @@ def main() -> None:
                 paths = source_paths(hlo)
                 print(kernel_table(times, paths, top=args.profile_top))
                 if hlo:
-                    print(chain_table(critical_path(hlo, times, args.profile_gap), paths, top=args.profile_top))
+                    chain = critical_path(hlo, times, args.profile_gap)
+                    print(chain_table(chain, paths, top=args.profile_top))
+                    if args.profile_chain:
+                        print(chain_listing(chain, paths))
             floor = decode_floor_bytes(cfg, counts, batch, args.prompt + 1) / bw
             row(f"decode B={batch}", f"{step * 1e3:.2f} ms", f"floor {floor * 1e3:.2f} ms", f"{step / floor:.1f}x floor",
                 f"{batch / step:,.0f} tok/s")

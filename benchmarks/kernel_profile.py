@@ -4,6 +4,7 @@ and the chain of kernels that the call's dependencies force (its critical path).
     times = device_times(run_once, calls=5)
     print(kernel_table(times, paths))
     print(chain_table(critical_path(hlo, times), paths))
+    print(chain_listing(critical_path(hlo, times), paths))  # every link, in order
 
 ``run_once()`` makes one call (a closure, so it can thread a donated cache from call to call);
 ``hlo`` is the optimized HLO text that XLA wrote when run with
@@ -193,4 +194,12 @@ def chain_table(chain: list[ChainLink], paths: dict[str, str], top: int = 25) ->
     lines = [f"critical path {busy + gaps:,.1f} us: {busy:,.1f} us in {kernels:.0f} kernels + {gaps:,.1f} us of "
              f"launch gaps", f"{'us/call':>9}  by source path (gaps included)"]
     lines += [f"{us:9.1f}  {path}" for path, us in by_path.most_common(top)]
+    return "\n".join(lines)
+
+
+def chain_listing(chain: list[ChainLink], paths: dict[str, str]) -> str:
+    """The critical path link by link, in order: each instruction's kernel time, kernels and source path."""
+    lines = [f"{'us/call':>9} {'kernels':>7}  instruction  source path"]
+    lines += [f"{link.us:9.1f} {link.kernels:7.0f}  {link.name}  {short_path(paths.get(link.name, link.name))}"
+              for link in chain]
     return "\n".join(lines)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from kernel_profile import DeviceTimes, chain_table, critical_path, entry_operands  # noqa: E402
+from kernel_profile import DeviceTimes, chain_listing, chain_table, critical_path, entry_operands  # noqa: E402
 
 # Two chains into k3 (k1 -> k3, k2 -> k3 through a tuple and a get-tuple-element) and k4 on its own; a called
 # computation, tuple shapes, a TPU-style layout with parentheses and a backend config holding '%' names
@@ -56,6 +56,9 @@ def test_critical_path_by_hand(gap, k2_us, expected):
     total = sum(times.us[n] + gap for n in expected)
     assert chain_table(chain, PATHS).startswith(f"critical path {total:,.1f} us: ")
     assert f"+ {gap * len(expected):,.1f} us of launch gaps" in chain_table(chain, PATHS)
+    links = chain_listing(chain, PATHS).splitlines()[1:]
+    assert [line.split()[2] for line in links] == expected
+    assert [float(line.split()[0]) for line in links] == [times.us[n] for n in expected]
 
 
 @pytest.mark.parametrize("k3_kernels,expected", [(1, ["k4"]), (2, ["k1", "k3"])])
