@@ -24,7 +24,9 @@ Each switch turns one change off (module attributes read while a step is traced)
   kernel before the fused MoE, not by its hidden programs);
 - h interleaved: ``pallas_kernels.mx_matmul.moe_split.PLANAR_H_MAX_TOKENS`` 0 (the two-kernel MoE's h stored
   [T*k, F] between its kernels at one token too, not planar).
-A candidate turns a form on that is not the default yet (``CANDIDATES``; none at present).
+A candidate turns a form on that is not the default yet (``CANDIDATES``):
+- conv in maps: ``k3jax.layers.kda.CONV_IN_MAPS`` True (at one row KDA's short convs and SiLU in the epilogue of
+  the input maps' matvec kernel, not a kernel of their own after it).
 Variants: the default, each switch alone, each candidate alone, all the changes off, all the candidates on.
 Also prints each variant's first logits against the default's (with random bf16 weights the model amplifies
 float32 summation order).
@@ -63,7 +65,9 @@ OFF = {  # a change's name -> (owner, attribute, value with the change off)
     "selection kernel": (MoE, "_routes_in_kernel", lambda self, tokens: False),
     "h interleaved": (moe_split, "PLANAR_H_MAX_TOKENS", 0),
 }
-CANDIDATES: dict = {}  # a candidate's name -> (owner, attribute, value with it on)
+CANDIDATES = {  # a candidate's name -> (owner, attribute, value with it on)
+    "conv in maps": (kda, "CONV_IN_MAPS", True),
+}
 SWITCHES = Switches(OFF, CANDIDATES)
 
 

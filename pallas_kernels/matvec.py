@@ -30,6 +30,11 @@ Output epilogue (``add``): arrays added to an output after its rounding, each su
 residual adds after a layer's last projection, and a MoE's shared-expert output), so that no XLA add
 kernel follows the matvec.
 
+Short-conv epilogue (``conv``): the first outputs can go on through one decode step of KDA's causal
+short convolutions and SiLU, with the conv state updated where it lies (``pallas_kernels.short_conv``'s
+arithmetic): a program owns its output rows' channels, so it reads their state and taps, and writes
+their state, alone. The conv kernel (and its launch) between the projections and their reader goes.
+
 Ragged shapes: a weight of fewer rows than bn gets a block of next_power_of_2(N_i) rows (Triton
 blocks are powers of two); a last block that runs past N_i loads with a row mask (zeros) and stores
 with the same mask; D need not be a multiple of bk (column mask on the last chunk). x and the
@@ -205,17 +210,54 @@ def _x_tiles(refs: _XRefs, prologue: Prologue, rows: int, bk: int, firsts) -> "c
     return x_at
 
 
+class _ConvRefs(NamedTuple):
+    """One output's short conv: its taps [N, W] float32, the state [M, W-1, C] float32 (read and written
+    through this one ref), the output's first channel in it, and the dtype the product is rounded to
+    before it enters the conv."""
+
+    taps: object
+    state: object
+    channel0: int
+    round_to: jnp.dtype
+
+
+def _conv_silu(conv: _ConvRefs, m: int, row0, bn: int, row_mask: Array | None) -> Callable[[Array], Array]:
+    """The short-conv epilogue of x's row m over the output rows [row0, row0 + bn): its state and taps
+    are loaded now (before the products, which they do not wait for); the returned function takes the
+    row's float32 sums [1, bn], rounds them to ``round_to``, stores the state moved up one token and
+    returns silu(conv) in float32, as ``conv_silu_step``."""
+    rows = conv.state.shape[1]
+    state_mask, taps_mask = (None, None) if row_mask is None else (row_mask[None, None, :], row_mask[:, None])
+    at = lambda r: conv.state.at[pl.ds(m, 1), pl.ds(r, 1), pl.ds(conv.channel0 + row0, bn)]
+    past = [_load(at(r), state_mask).reshape(1, bn) for r in range(rows)]
+    taps = [_load(conv.taps.at[pl.ds(row0, bn), pl.ds(j, 1)], taps_mask).reshape(1, bn) for j in range(rows + 1)]
+
+    def apply(sums: Array) -> Array:
+        x = sums.astype(conv.round_to).astype(jnp.float32)
+        y = jnp.zeros((1, bn), jnp.float32)
+        for value, tap in zip(past + [x], taps):
+            y = y + value * tap
+        for r, value in enumerate(past[1:] + [x]):
+            pltriton.store(at(r), value.reshape(1, 1, bn), mask=state_mask)
+        return y / (1.0 + jnp.exp(-y))
+
+    return apply
+
+
 def _block_product(x_refs: _XRefs, w_ref, add_refs, o_ref, row0, *, bn: int, bk: int, dot: bool,
-                   prologue: Prologue) -> None:
+                   prologue: Prologue, conv: _ConvRefs | None = None) -> None:
     """o[:, row0:row0 + bn] = x @ w[row0:row0 + bn]^T in float32, rows past w's end masked (x as the
     prologue makes it), rounded to o's dtype, then each addend's block added in turn (in float32,
     rounded to o's dtype after each: ``(y + a).astype(y.dtype)``).
 
     Rows form: a float32 [bn] sum per row of x, each step adding the row sums of w * x_m. Dot form:
     a [DOT_ROWS, bn] float32 accumulator from x (rows past M loaded as zeros) . w^T on the matrix
-    units, bf16 operands where both are bf16, else float32 at precision HIGHEST (exact products)."""
+    units, bf16 operands where both are bf16, else float32 at precision HIGHEST (exact products).
+    With ``conv`` (rows form only), each row's sums go through ``_conv_silu`` instead of the rounding
+    and addends."""
     m_rows, depth = x_refs.x.shape
     row_mask = _valid(row0, bn, w_ref.shape[0])
+    convs = None if conv is None else [_conv_silu(conv, m, row0, bn, row_mask) for m in range(m_rows)]
     x_at = _x_tiles(x_refs, prologue, DOT_ROWS if dot else 1, bk, [0] if dot else range(m_rows))
 
     def step(s, acc):
@@ -247,45 +289,64 @@ def _block_product(x_refs: _XRefs, w_ref, add_refs, o_ref, row0, *, bn: int, bk:
     out_mask = None if row_mask is None else row_mask[None, :]
     for m in range(m_rows):
         rows = pl.ds(m, 1)
-        pltriton.store(o_ref.at[rows, pl.ds(row0, bn)], epilogue(acc[m][None, :], rows, out_mask), mask=out_mask)
+        y = epilogue(acc[m][None, :], rows, out_mask) if convs is None else convs[m](acc[m][None, :])
+        pltriton.store(o_ref.at[rows, pl.ds(row0, bn)], y, mask=out_mask)
 
 
 def _matvecs_kernel(*refs, parts: tuple[_Part, ...], n_adds: tuple[int, ...], bk: int, dot: bool,
-                    prologue: Prologue):
+                    prologue: Prologue, conv_rounding: tuple[jnp.dtype, ...] = ()):
     """Refs: x [M, D]; act's second input [M, D] (with act), the norm weight [1, D] (with a norm);
-    the weights [N_i, D]; each weight's addends [M, N_i] (n_adds[i] of them), weight by weight; then the
-    outputs [M, N_i] (whole arrays)."""
+    the weights [N_i, D]; each weight's addends [M, N_i] (n_adds[i] of them), weight by weight; with
+    short convs (``conv_rounding``: the dtype of each convolved output's product, the first outputs),
+    their taps [N_i, W] and the state input [M, W-1, C]; then the outputs [M, N_i] (whole arrays) and, with
+    short convs, the state output (the state input's buffer, aliased: read and written through it)."""
     uses = (True, prologue.act is not None, prologue.eps is not None)
     refs = list(refs)
     x_refs = _XRefs(*(refs.pop(0) if used else None for used in uses))
     w_refs = [refs.pop(0) for _ in parts]
     add_refs = [[refs.pop(0) for _ in range(n)] for n in n_adds]
+    taps_refs = [refs.pop(0) for _ in conv_rounding]
+    if conv_rounding:
+        refs.pop(0)  # the state input: read through its aliased output
+        state = refs.pop()
+    channel0 = [sum(w.shape[0] for w in w_refs[:i]) for i in range(len(conv_rounding))]
+    convs = [_ConvRefs(t, state, c, r) for t, c, r in zip(taps_refs, channel0, conv_rounding)]
+    convs += [None] * (len(parts) - len(convs))
     program = pl.program_id(0)
-    for w_ref, adds, o_ref, part in zip(w_refs, add_refs, refs, parts):
+    for w_ref, adds, o_ref, part, conv in zip(w_refs, add_refs, refs, parts, convs):
         @pl.when((program >= part.first) & (program < part.first + part.blocks))
-        def _(w_ref=w_ref, adds=adds, o_ref=o_ref, part=part):
+        def _(w_ref=w_ref, adds=adds, o_ref=o_ref, part=part, conv=conv):
             row0 = pl.multiple_of((program - part.first) * part.bn, part.bn)
-            _block_product(x_refs, w_ref, adds, o_ref, row0, bn=part.bn, bk=bk, dot=dot, prologue=prologue)
+            _block_product(x_refs, w_ref, adds, o_ref, row0, bn=part.bn, bk=bk, dot=dot, prologue=prologue, conv=conv)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtypes", "prologue", "blocks", "interpret"))
-def _matvecs(x, second, norm_weight, weights, adds, *, out_dtypes, prologue: Prologue, blocks: MatvecBlocks,
-             interpret: bool):
+def _matvecs(x, second, norm_weight, weights, adds, taps, state, *, out_dtypes, prologue: Prologue,
+             blocks: MatvecBlocks, interpret: bool):
     m_rows, depth = x.shape
     min_bn = DOT_ROWS if blocks.dot else 1
     parts = _parts([w.shape[0] for w in weights], blocks.bn, min_bn)
     bk = max(min(blocks.bk, pl.next_power_of_2(depth)), min_bn)
     params = triton_params(blocks.num_warps, blocks.num_stages, interpret)
     inputs = [a for a in (second, None if norm_weight is None else norm_weight.reshape(1, -1)) if a is not None]
+    operands = [x, *inputs, *weights, *(a for weight_adds in adds for a in weight_adds)]
+    out_shape = [jax.ShapeDtypeStruct((m_rows, w.shape[0]), jnp.float32 if i < len(taps) else d)
+                 for i, (w, d) in enumerate(zip(weights, out_dtypes))]
+    aliases = {}
+    if taps:
+        operands += [*taps, state]
+        aliases = {len(operands) - 1: len(out_shape)}
+        out_shape.append(jax.ShapeDtypeStruct(state.shape, state.dtype))
     return pl.pallas_call(
         functools.partial(_matvecs_kernel, parts=parts, n_adds=tuple(len(a) for a in adds), bk=bk, dot=blocks.dot,
-                          prologue=prologue),
-        out_shape=tuple(jax.ShapeDtypeStruct((m_rows, w.shape[0]), d) for w, d in zip(weights, out_dtypes)),
+                          prologue=prologue, conv_rounding=out_dtypes[:len(taps)]),
+        out_shape=tuple(out_shape),
         grid=(parts[-1].first + parts[-1].blocks,),
+        input_output_aliases=aliases,
         compiler_params=params,
         interpret=interpret,
         name="matvecs",
-    )(x, *inputs, *weights, *(a for weight_adds in adds for a in weight_adds))
+    )(*operands)
 
 
 def _prologue_dtype(x: Array, second: Array | None, prologue: Prologue):
@@ -303,7 +364,8 @@ def _check_dtype(name: str, dtype) -> None:
 
 def matvecs(x: Array, weights: Sequence[Array], out_dtypes: Sequence | None = None, *,
             read_as=None, act: tuple[Callable, Array] | None = None, norm: tuple[Array, float] | None = None,
-            x_dtype=None, add: Sequence[Sequence[Array]] | None = None, blocks: MatvecBlocks | None = None,
+            x_dtype=None, add: Sequence[Sequence[Array]] | None = None,
+            conv: tuple[Sequence[Array], Array] | None = None, blocks: MatvecBlocks | None = None,
             interpret: bool | None = None) -> tuple[Array, ...]:
     """x [M, D] (M <= MAX_ROWS), weights [N_i, D] -> (x' @ W_i^T [M, N_i] in out_dtypes[i], ...),
     x' what the prologue (``Prologue``, in this order) makes of x inside the kernel:
@@ -315,8 +377,12 @@ def matvecs(x: Array, weights: Sequence[Array], out_dtypes: Sequence | None = No
 
     bf16 or float32 operands; float32 products and sums, one rounding to the output dtype (default
     x'.dtype). ``add``: per weight, arrays [M, N_i] in its output dtype added to its output in turn,
-    each sum rounded to that dtype (as ``y + a`` would be), so that no XLA add follows the kernel. One
-    kernel for all the weights. ``blocks`` default: ``DEFAULT_BLOCKS``, read at each call."""
+    each sum rounded to that dtype (as ``y + a`` would be), so that no XLA add follows the kernel.
+    ``conv`` = (taps, state): the first n = len(taps) outputs (no addends) go on through one step of
+    short causal convs and SiLU, as ``pallas_kernels.short_conv.conv_silu_step`` with their rounded
+    values as its inputs: taps[i] [N_i, W] float32, state [M, W-1, N_0 + ... + N_{n-1}] float32; those
+    outputs are float32, and the state moved up one token comes last (written over the state's
+    buffer). One kernel for all the weights. ``blocks`` default: ``DEFAULT_BLOCKS``, read at each call."""
     weights = tuple(weights)
     if x.ndim != 2 or not 1 <= x.shape[0] <= MAX_ROWS:
         raise ValueError(f"x must be [M, D] with 1 <= M <= {MAX_ROWS}, got shape {x.shape}")
@@ -349,9 +415,33 @@ def matvecs(x: Array, weights: Sequence[Array], out_dtypes: Sequence | None = No
             if a.shape != (x.shape[0], w.shape[0]) or jnp.dtype(a.dtype) != jnp.dtype(dt):
                 raise ValueError(f"addends of output {i} must be [M, N] = {[x.shape[0], w.shape[0]]} in its dtype "
                                  f"{jnp.dtype(dt)}, got {a.shape} {a.dtype}")
+    taps, state = ((), None) if conv is None else (tuple(conv[0]), conv[1])
+    blocks = blocks or DEFAULT_BLOCKS
+    if conv is not None:
+        _check_conv(taps, state, weights, add, x.shape[0], blocks)
     interpret = pallas_interpret() if interpret is None else interpret
-    return _matvecs(x, second, norm_weight, weights, add, out_dtypes=tuple(jnp.dtype(d) for d in out_dtypes),
-                    prologue=prologue, blocks=blocks or DEFAULT_BLOCKS, interpret=interpret)
+    return _matvecs(x, second, norm_weight, weights, add, taps, state,
+                    out_dtypes=tuple(jnp.dtype(d) for d in out_dtypes), prologue=prologue, blocks=blocks,
+                    interpret=interpret)
+
+
+def _check_conv(taps: tuple[Array, ...], state: Array, weights: tuple[Array, ...], add: tuple, m_rows: int,
+                blocks: MatvecBlocks) -> None:
+    if not 0 < len(taps) <= len(weights):
+        raise ValueError(f"conv needs taps for 1 to {len(weights)} outputs (the first ones), got {len(taps)}")
+    if blocks.dot:
+        raise ValueError("conv needs the rows form of the products (MatvecBlocks.dot False)")
+    width = taps[0].shape[-1] if taps[0].ndim == 2 else 0
+    for i, (w, t) in enumerate(zip(weights, taps)):
+        if t.shape != (w.shape[0], width) or t.dtype != jnp.float32 or width < 2:
+            raise ValueError(f"conv taps {i} must be float32 [N, W] = [{w.shape[0]}, W >= 2] with taps 0's W, "
+                             f"got {t.dtype} {t.shape}")
+        if add[i]:
+            raise ValueError(f"output {i} has both a conv and addends")
+    channels = sum(w.shape[0] for w in weights[:len(taps)])
+    if state.shape != (m_rows, width - 1, channels) or state.dtype != jnp.float32:
+        raise ValueError(f"conv state must be float32 [M, W-1, channels] = [{m_rows}, {width - 1}, {channels}], "
+                         f"got {state.dtype} {state.shape}")
 
 
 __all__ = ["DEFAULT_BLOCKS", "MAX_ROWS", "MatvecBlocks", "Prologue", "matvecs"]

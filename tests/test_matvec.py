@@ -179,6 +179,48 @@ def test_project_kernel_prologue_equals_xla(name, monkeypatch):
     np.testing.assert_allclose(np.float32(got), np.float32(want), rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("m", [1, 3])
+def test_short_conv_epilogue_equals_the_conv_kernel(m):
+    """``conv``: the first two outputs (20 and 13 rows: a partial block of 8 and a ragged last one) through
+    the short convs and SiLU in the kernel, the state updated in place, bitwise as the plain products then
+    ``conv_silu_step`` (itself tested against ``causal_conv``); the outputs after them untouched."""
+    from pallas_kernels.short_conv import conv_silu_step
+
+    depth, width = 200, 4
+    keys = jax.random.split(jax.random.key(30 + m), 8)
+    x = jax.random.normal(keys[0], (m, depth), jnp.float32).astype(jnp.bfloat16)
+    shapes = [(20, jnp.bfloat16), (13, jnp.bfloat16), (16, jnp.bfloat16), (5, jnp.float32)]
+    weights = [jax.random.normal(k, (n, depth), jnp.float32).astype(d) for k, (n, d) in zip(keys[1:5], shapes)]
+    out_dtypes = (jnp.bfloat16, jnp.bfloat16, jnp.float32, jnp.float32)
+    taps = [jax.random.normal(k, (w.shape[0], width), jnp.float32) for k, w in zip(keys[6:8], weights)]
+    state = jax.random.normal(keys[0], (m, width - 1, 20 + 13), jnp.float32)
+    *outs, new_state = matvecs(x, weights, out_dtypes, conv=(taps, state), blocks=ROWS)
+    plain = matvecs(x, weights, out_dtypes, blocks=ROWS)
+    # conv_silu_step takes inputs of one width: each output's channels in a state of their own
+    for i, (lo, hi) in enumerate([(0, 20), (20, 33)]):
+        (want,), want_state = conv_silu_step([plain[i]], [taps[i]], state[..., lo:hi])
+        assert outs[i].dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(outs[i]), np.asarray(want))
+        np.testing.assert_array_equal(np.asarray(new_state[..., lo:hi]), np.asarray(want_state))
+    for got, want in zip(outs[2:], plain[2:]):
+        np.testing.assert_array_equal(np.float32(got), np.float32(want))
+
+
+def test_short_conv_epilogue_refuses_bad_operands():
+    x, w = jnp.zeros((1, 64), jnp.bfloat16), jnp.zeros((8, 64), jnp.bfloat16)
+    taps, state = jnp.zeros((8, 4), jnp.float32), jnp.zeros((1, 3, 8), jnp.float32)
+    with pytest.raises(ValueError, match="conv taps 0 must be float32"):
+        matvecs(x, [w], conv=([taps.astype(jnp.bfloat16)], state))
+    with pytest.raises(ValueError, match=r"conv state must be float32 \[M, W-1, channels\] = \[1, 3, 8\]"):
+        matvecs(x, [w], conv=([taps], state[..., :4]))
+    with pytest.raises(ValueError, match="both a conv and addends"):
+        matvecs(x, [w], conv=([taps], state), add=[[jnp.zeros((1, 8), jnp.bfloat16)]])
+    with pytest.raises(ValueError, match="rows form"):
+        matvecs(x, [jnp.zeros((16, 64), jnp.bfloat16)], conv=([jnp.zeros((16, 4))], jnp.zeros((1, 3, 16))), blocks=DOT)
+    with pytest.raises(ValueError, match="taps for 1 to 1 outputs"):
+        matvecs(x, [w], conv=([taps, taps], state))
+
+
 def test_project_keeps_a_wide_activation_on_xla():
     """An ``Activated`` wider than ``ACT_PROLOGUE_MAX_WIDTH`` is not computed in the kernel's prologue
     (measured slower): project traces XLA's act and einsum, no kernel."""

@@ -47,6 +47,36 @@ def test_kda_layer_prefill_and_decode(batch):
         assert rel_err(b, a) < 5e-3
 
 
+def test_kda_decode_conv_in_maps_is_the_conv_kernel(monkeypatch):
+    """``CONV_IN_MAPS``: at one row the short convs inside the input maps' kernel give the output and both
+    states of the separate conv kernel bitwise, with one kernel fewer in the step."""
+    import k3jax.layers.kda as kda_layer
+
+    cfg = preset("tiny")
+    layer = KDA(cfg.hidden_size, cfg.kda, cfg.rms_norm_eps, rngs=nnx.Rngs(7))
+    norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+    graph, params = nnx.split((layer, norm))
+    x = jax.random.normal(jax.random.key(8), (1, 6, cfg.hidden_size))
+    with use_implementation("pallas"):
+        m, n = nnx.merge(graph, params)
+        _, state = m(x[:, :5], norm=n)  # a prefilled state, so the conv taps see real history
+
+    def step(params, x, state):
+        m, n = nnx.merge(graph, params)
+        return m(x[:, 5:], state, norm=n)
+
+    outs, kernels = {}, {}
+    for on in (False, True):
+        monkeypatch.setattr(kda_layer, "CONV_IN_MAPS", on)
+        with use_implementation("pallas"):
+            f = lambda *a: step(*a)  # a fresh function: the switch is read when traced
+            kernels[on] = str(jax.make_jaxpr(f)(params, x, state)).count("pallas_call[")
+            outs[on] = jax.jit(f)(params, x, state)
+    assert kernels[True] == kernels[False] - 1
+    for a, b in zip(jax.tree.leaves(outs[False]), jax.tree.leaves(outs[True])):
+        assert a.shape == b.shape and bool(jnp.all(a == b))
+
+
 def test_kda_layer_ragged_rows():
     """Right padding (``valid``) leaves the state as it was, on both paths: row 1 has 13 real prompt
     tokens and no real decode token."""

@@ -144,8 +144,18 @@ def _prologue_kwargs(x: "Array | Activated", norm: "RMSNorm | None", read_as, dt
     return rows(x), kwargs
 
 
+def takes_matvec_kernel(x: "Array | DepthMix | Activated", weights: Sequence[Array], dtypes: Sequence | None = None,
+                        read_as=None) -> bool:
+    """Whether ``project`` with these arguments computes its maps in the matvec kernel."""
+    x_dtype = _input_dtype(x, read_as)
+    dtypes = [x_dtype] * len(weights) if dtypes is None else list(dtypes)
+    return _matvec_kernel_fits(math.prod(x.shape[:-1]), x_dtype, weights, dtypes) and not (
+        isinstance(x, Activated) and x.shape[-1] > ACT_PROLOGUE_MAX_WIDTH)
+
+
 def project(x: "Array | DepthMix | Activated", weights: Sequence[Array], dtypes: Sequence | None = None,
-            norm: "RMSNorm | None" = None, *, read_as=None, add: Sequence[Array] = ()) -> list[Array]:
+            norm: "RMSNorm | None" = None, *, read_as=None, add: Sequence[Array] = (),
+            conv: tuple[Sequence[Array], Array] | None = None) -> list[Array]:
     """x [..., D] times each weight [N_i, D]^T, as ``einsum(x.astype(dt), w.astype(dt))`` with dt =
     dtypes[i] (default x's dtype as prepared below; float32 sums): what ``Linear`` computes, or the
     router's float32 logits. x is prepared first, in this order: a Block AttnRes ``DepthMix`` is
@@ -157,15 +167,20 @@ def project(x: "Array | DepthMix | Activated", weights: Sequence[Array], dtypes:
     for one row (batch-1 decode) off TPU, one kernel computes them all, x's preparation included
     (``pallas_kernels.matvec``; an ``Activated`` only up to ``ACT_PROLOGUE_MAX_WIDTH``), instead of
     one small kernel each; a mix before them is then computed with the norm in one more small
-    kernel (``pallas_kernels.depth_mix``)."""
+    kernel (``pallas_kernels.depth_mix``).
+
+    ``conv`` = (taps, state), only where that kernel runs (``takes_matvec_kernel``): the first outputs
+    go on through a decode step of short convs and SiLU inside it (``matvecs``' ``conv``: float32
+    outputs), and the new conv state is returned after the outputs."""
     if isinstance(x, DepthMix) and read_as is not None:
         raise ValueError("project: read_as applies to an array or an Activated, not a DepthMix")
     if add and len(weights) != 1:
         raise ValueError(f"project: add needs exactly one weight, got {len(weights)}")
-    x_dtype = _input_dtype(x, read_as)
-    dtypes = [x_dtype] * len(weights) if dtypes is None else list(dtypes)
-    kernel = _matvec_kernel_fits(math.prod(x.shape[:-1]), x_dtype, weights, dtypes) and not (
-        isinstance(x, Activated) and x.shape[-1] > ACT_PROLOGUE_MAX_WIDTH)
+    kernel = takes_matvec_kernel(x, weights, dtypes, read_as)
+    if conv is not None and not kernel:
+        raise ValueError("project: conv needs the matvec kernel path (takes_matvec_kernel: one row, Pallas, "
+                         "off TPU)")
+    dtypes = [_input_dtype(x, read_as)] * len(weights) if dtypes is None else list(dtypes)
     if isinstance(x, DepthMix):
         x, norm = _mixed(x, norm, kernel)
     if kernel:
@@ -175,8 +190,10 @@ def project(x: "Array | DepthMix | Activated", weights: Sequence[Array], dtypes:
         rows, kwargs = _prologue_kwargs(x, norm, read_as, dtypes)
         fused = ADD_IN_KERNEL and all(jnp.dtype(a.dtype) == jnp.dtype(dtypes[0]) for a in add)
         flat_adds = [[a.reshape(rows.shape[0], -1) for a in add]] if fused and add else None
-        outs = [y.reshape(*lead, y.shape[-1]) for y in matvecs(rows, list(weights), dtypes, add=flat_adds, **kwargs)]
-        return [add_rounded(outs[0], add)] if add and not fused else outs
+        outs = list(matvecs(rows, list(weights), dtypes, add=flat_adds, conv=conv, **kwargs))
+        state = [outs.pop()] if conv is not None else []
+        outs = [y.reshape(*lead, y.shape[-1]) for y in outs]
+        return [add_rounded(outs[0], add)] if add and not fused else outs + state
     if read_as is not None:
         x = x.astype(read_as) if not isinstance(x, Activated) else Activated(
             x.act, *(a.astype(read_as) for a in (x.gate, x.up)))
@@ -216,5 +233,6 @@ class Embed(nnx.Module):
         return jnp.take(self.weight[...], tokens, axis=0)
 
 
-__all__ = ["Rngs", "Keys", "Linear", "RMSNorm", "Embed", "normal", "materialize", "project", "add_rounded", "Activated",
+__all__ = ["Rngs", "Keys", "Linear", "RMSNorm", "Embed", "normal", "materialize", "project", "takes_matvec_kernel",
+           "add_rounded", "Activated",
            "ACT_PROLOGUE_MAX_WIDTH", "ADD_IN_KERNEL", "MATVEC_KERNEL_ROWS"]

@@ -14,7 +14,7 @@ from k3jax.functional import kda as F
 from k3jax.functional.conv import causal_conv
 from k3jax.functional.norms import gated_rms_norm
 from k3jax.implementation import get_implementation, triton_kernels
-from k3jax.layers.basic import Linear, RMSNorm, Rngs, normal, project
+from k3jax.layers.basic import Linear, RMSNorm, Rngs, normal, project, takes_matvec_kernel
 from k3jax.typing import Array
 
 
@@ -54,6 +54,12 @@ def _kda_core_fused(q, k, v, z, a_log, dt_bias, beta_logits, state, lower_bound:
                                           state, lower_bound)
         return o[:, None], state
     return kernels.chunk_kda_fused(q, k, v, z, a_log, dt_bias, beta_logits, lower_bound, state)
+
+
+# Whether a batch-1 decode step's short convs and SiLU run inside the matvec kernel of the layer's input maps
+# (``project``'s ``conv``), the conv kernel and its launch off the step's chain: a candidate (off) until a GPU
+# times it, "conv in maps" in benchmarks/decode_variants.py. Read at the call.
+CONV_IN_MAPS = False
 
 
 def _short_convs_xla(xs, taps, state, lengths):
@@ -130,10 +136,14 @@ class KDA(nnx.Module):
         heads = lambda a: a.reshape(B, T, H, K)
         gate_in = self.g_proj if hasattr(self, "g_proj") else self.g_a_proj
         maps = (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj, gate_in)
-        q, k, v, f_a, beta_logits, gate = project(x, [m.weight[...] for m in maps], norm=norm)
-        taps = [c.weight[...][:, 0] for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)]
-        *qkv, conv = _short_convs((q, k, v), taps, state.conv, lengths)
-        q, k, v = (heads(a) for a in qkv)
+        weights = [m.weight[...] for m in maps]
+        taps = [c.weight[...][:, 0].astype(jnp.float32) for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)]
+        if CONV_IN_MAPS and lengths is None and T == 1 and takes_matvec_kernel(x, weights):
+            q, k, v, f_a, beta_logits, gate, conv = project(x, weights, norm=norm, conv=(taps, state.conv))
+        else:
+            q, k, v, f_a, beta_logits, gate = project(x, weights, norm=norm)
+            q, k, v, conv = _short_convs((q, k, v), taps, state.conv, lengths)
+        q, k, v = (heads(a) for a in (q, k, v))
         z = heads(self.f_b_proj(f_a))
         a_log, dt_bias = self.A_log[...], self.dt_bias[...].reshape(H, K)
         if self.lower_bound is not None and get_implementation() == "pallas":
