@@ -24,9 +24,9 @@ Each switch turns one change off (module attributes read while a step is traced)
   kernel before the fused MoE, not by its hidden programs);
 - h interleaved: ``pallas_kernels.mx_matmul.moe_split.PLANAR_H_MAX_TOKENS`` 0 (the two-kernel MoE's h stored
   [T*k, F] between its kernels at one token too, not planar).
-A candidate turns a form on that is not the default yet (``CANDIDATES``):
-- conv in maps: ``k3jax.layers.kda.CONV_IN_MAPS`` True (at one row KDA's short convs and SiLU in the epilogue of
-  the input maps' matvec kernel, not a kernel of their own after it).
+- conv kernel: ``k3jax.layers.kda.CONV_IN_MAPS`` False (at one row KDA's short convs and SiLU in a kernel of their
+  own after the input maps' matvec kernel, not in its epilogue).
+A candidate turns a form on that is not the default yet (``CANDIDATES``; none at present).
 Variants: the default, each switch alone, each candidate alone, all the changes off, all the candidates on.
 Also prints each variant's first logits against the default's (with random bf16 weights the model amplifies
 float32 summation order).
@@ -64,10 +64,9 @@ OFF = {  # a change's name -> (owner, attribute, value with the change off)
     "one-kernel MoE": (mx_matmul, "SPLIT_MIN_TOKENS", 1 << 30),
     "selection kernel": (MoE, "_routes_in_kernel", lambda self, tokens: False),
     "h interleaved": (moe_split, "PLANAR_H_MAX_TOKENS", 0),
+    "conv kernel": (kda, "CONV_IN_MAPS", False),
 }
-CANDIDATES = {  # a candidate's name -> (owner, attribute, value with it on)
-    "conv in maps": (kda, "CONV_IN_MAPS", True),
-}
+CANDIDATES: dict = {}  # a candidate's name -> (owner, attribute, value with it on)
 SWITCHES = Switches(OFF, CANDIDATES)
 
 
