@@ -38,7 +38,7 @@ def chained(form, passes: int):
     def loop(x, weights):
         def body(_, x):
             for w in weights:
-                x = (x.astype(F32) + 1e-9 * form(x, w)[:, :D]).astype(BF)
+                x = (x.astype(F32) + 1e-9 * form(x, w)[:, :1]).astype(BF)
             return x
         return jax.lax.fori_loop(0, passes, body, x)
     return loop
