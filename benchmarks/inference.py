@@ -1,7 +1,7 @@
 """Decode-step time of the `mini` preset against its memory floor, and 8K-token prefill throughput
 against the GPU's measured bf16 matmul rate. Ceilings are measured in the same run.
 
-    python3 benchmarks/inference.py [--impl pallas] [--batches 1,8,64] [--matvec-rows N]
+    python3 benchmarks/inference.py [--impl pallas] [--batches 1,8,64] [--rounds 10] [--matvec-rows N]
 
 Floor per decode step = (bytes of weights touched + cache bytes read and written) / copy bandwidth,
 where the weights touched are every non-expert weight (bf16), one embedding row, and the distinct
@@ -70,6 +70,8 @@ def main() -> None:
     ap.add_argument("--matvec-rows", type=int, default=None,
                     help="rows up to which the layers' projections take the one-kernel matvecs on the Pallas path "
                     "(k3jax.layers.basic.MATVEC_KERNEL_ROWS; default: the library's)")
+    ap.add_argument("--rounds", type=int, default=10,
+                    help="timed rounds of 20 decode steps per batch size (the best is reported, the median beside it)")
     ap.add_argument("--profile", default="", help="XLA dump folder (set XLA_FLAGS to dump there; see "
                     "kernel_profile.py): print where the device time of a decode step and a prefill chunk goes")
     ap.add_argument("--profile-top", type=int, default=25, help="rows per profile table")
@@ -97,13 +99,14 @@ def main() -> None:
             token, _, cache = gen.decode_step(token, cache, pos, key)
             jax.block_until_ready(token)
             steps, rounds = 20, []
-            for _ in range(3):  # best of three rounds: the first batch size also meets a cold GPU
+            for _ in range(args.rounds):  # the best round: the first batch size also meets a cold GPU
                 t = time.perf_counter()
                 for _ in range(steps):
                     token, _, cache = gen.decode_step(token, cache, pos, key)
                 jax.block_until_ready(token)
                 rounds.append((time.perf_counter() - t) / steps)
             step = min(rounds)
+            median = sorted(rounds)[len(rounds) // 2]
             if args.profile:
                 state = {"token": token, "cache": cache}
 
@@ -122,7 +125,7 @@ def main() -> None:
                         print(chain_listing(chain, paths))
             floor = decode_floor_bytes(cfg, counts, batch, args.prompt + 1) / bw
             row(f"decode B={batch}", f"{step * 1e3:.2f} ms", f"floor {floor * 1e3:.2f} ms", f"{step / floor:.1f}x floor",
-                f"{batch / step:,.0f} tok/s")
+                f"{batch / step:,.0f} tok/s", f"median {median * 1e3:.2f} ms")
         T = args.prefill
         if T:
             gen = Generator(model, max_len=T + 16, prefill_chunk=2048)
