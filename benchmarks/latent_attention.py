@@ -4,7 +4,8 @@ bf16 caches, one new token per sequence at the cache's last position.
 
 First the check (the kernel against float64 NumPy on the same bf16-rounded operands), then us per call
 (the median of 20 timed calls after a warm-up, each call one jitted function) and TB/s of cache bytes read,
-at `mini`'s step (16 heads, 192 keys) and longer caches up to K3's (96 heads, 131072 keys).
+at `mini`'s step (16 heads, 192 keys) and longer caches up to K3's (96 heads, 131072 keys); up to 8192 keys
+also the kernel with 64-key splits (more programs, and XLA's merge after them).
 
     python3 benchmarks/latent_attention.py
 """
@@ -18,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.latent_attention import latent_attention
+from pallas_kernels.latent_attention import LatentBlocks, latent_attention
 
 R, P, SCALE = 512, 64, 192**-0.5
 SHAPES = [(16, 1, 192), (16, 8, 192), (16, 1, 8192), (16, 64, 8192), (96, 1, 131072), (96, 8, 32768)]  # H, B, S
@@ -61,6 +62,8 @@ def per_call_us(fn, args) -> float:
 def main() -> None:
     print(jax.devices()[0].device_kind, jax.__version__, flush=True)
     kernel = jax.jit(lambda q, qp, c, kp, pos: latent_attention(q, qp, c, kp, pos, SCALE))
+    split_64 = jax.jit(lambda q, qp, c, kp, pos: latent_attention(q, qp, c, kp, pos, SCALE,
+                                                                  blocks=LatentBlocks(split_keys=64)))
     xla = jax.jit(xla_middle)
     for H, B, S in [(16, 2, 192), (96, 1, 5000)]:
         args = inputs(H, B, S, seed=1)
@@ -72,12 +75,13 @@ def main() -> None:
     for H, B, S in SHAPES:
         args = inputs(H, B, S)
         cache_bytes = args[2].nbytes + args[3].nbytes
-        times = {name: per_call_us(fn, args) for name, fn in (("kernel", kernel), ("xla", xla))}
-        rows.append((H, B, S, times["kernel"], times["xla"], cache_bytes))
+        forms = (("kernel", kernel), ("xla", xla)) + ((("split 64", split_64),) if S <= 8192 else ())
+        times = {name: per_call_us(fn, args) for name, fn in forms}
+        rows.append((H, B, S, times["kernel"], times["xla"], cache_bytes, times.get("split 64", float("nan"))))
         print(rows[-1], flush=True)
-    print("\nheads | batch | keys | kernel us | XLA us | kernel / XLA | kernel TB/s of cache")
-    for H, B, S, k, x, nbytes in rows:
-        print(f"{H} | {B} | {S} | {k:.1f} | {x:.1f} | {k / x:.2f} | {nbytes / k / 1e6:.2f}")
+    print("\nheads | batch | keys | kernel us | XLA us | kernel / XLA | kernel TB/s of cache | kernel, 64-key splits us")
+    for H, B, S, k, x, nbytes, k64 in rows:
+        print(f"{H} | {B} | {S} | {k:.1f} | {x:.1f} | {k / x:.2f} | {nbytes / k / 1e6:.2f} | {k64:.1f}")
 
 
 if __name__ == "__main__":
