@@ -305,7 +305,7 @@ def _matvecs_kernel(*refs, parts: tuple[_Part, ...], n_adds: tuple[int, ...], bk
     x_refs = _XRefs(*(refs.pop(0) if used else None for used in uses))
     w_refs = [refs.pop(0) for _ in parts]
     add_refs = [[refs.pop(0) for _ in range(n)] for n in n_adds]
-    taps_refs = [refs.pop(0) for _ in conv_rounding]
+    taps_refs, state = [refs.pop(0) for _ in conv_rounding], None
     if conv_rounding:
         refs.pop(0)  # the state input: read through its aliased output
         state = refs.pop()
