@@ -58,9 +58,9 @@ def _kda_core_fused(q, k, v, z, a_log, dt_bias, beta_logits, state, lower_bound:
 
 # Whether a batch-1 decode step's short convs and SiLU run inside the matvec kernel of the layer's input maps
 # (``project``'s ``conv``), the conv kernel and its launch off the step's chain: on the H200 the `mini` step took
-# 0.897 against 0.910 ms (medians of 25 rounds; best 0.868 against 0.878), the logits bitwise equal
-# (benchmarks/RESULTS.md, issue 4, twenty-first session). "conv kernel" in benchmarks/decode_variants.py turns it
-# off. Read at the call.
+# 0.897 against 0.910 ms (medians of 25 rounds; best 0.868 against 0.878; medians tied in a second run of 15), the
+# logits bitwise equal (benchmarks/RESULTS.md, issue 4, twenty-first session). "conv kernel" in
+# benchmarks/decode_variants.py turns it off. Read at the call.
 CONV_IN_MAPS = True
 
 
