@@ -11,8 +11,9 @@ caller. XLA runs this part of a decode step as six kernels (the score product, t
 maximum and total, the normalization and the value product).
 
 The heads are the query rows of a flash-attention program (MLA's latent keys and values are shared by
-every head, as in multi-query attention): one program per (sequence, block of ``block_h`` heads, split of
-``split_keys`` keys) walks its keys up to the sequence's position in blocks of ``block_k``, products on
+every head, as in multi-query attention): one program per (block of ``block_h`` heads, split of
+``split_keys`` keys, sequence; a split's head blocks launch side by side, so all but the first can read its
+keys from L2) walks its keys up to the sequence's position in blocks of ``block_k``, products on
 the matrix units in the cache's dtype with float32 accumulation (q_lat and q_pe rounded to it, as the
 reference rounds its operands), the softmax online in base 2 (``online_softmax_step``), its
 probabilities rounded to the cache's dtype for the value product before their normalization (the
@@ -70,7 +71,7 @@ def _kernel(positions_ref, q_ref, qp_ref, c_ref, kp_ref, *out_refs, scale_log2: 
     totals [B, n, H] (n splits; the maxima in log2 units). A split past the position writes a zero sum, a
     -inf maximum and a zero total. Every key block a program walks holds a visible key (its first), so no
     row's maximum stays -inf once a block is done."""
-    b, block, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    block, split, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     H = q_ref.shape[1]
     heads = pl.ds(block * block_h, block_h)
     head_mask = block * block_h + jax.lax.broadcasted_iota(jnp.int32, (block_h,), 0) < H
@@ -117,7 +118,7 @@ def _latent_attention(q_lat, q_pe, c_kv, k_pe, positions, *, scale: float, keys:
     outs = pl.pallas_call(
         kernel,
         out_shape=[jax.ShapeDtypeStruct((B, H, R), _F32)] if splits == 1 else partial,
-        grid=(B, -(-H // blocks.block_h), splits),
+        grid=(-(-H // blocks.block_h), splits, B),  # axis 0 launches fastest: a split's head blocks side by side
         compiler_params=triton_params(blocks.num_warps, blocks.num_stages, interpret),
         interpret=interpret,
         name="latent_attention",
