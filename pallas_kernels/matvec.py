@@ -65,6 +65,7 @@ from jax.experimental.pallas import triton as pltriton
 from k3jax.implementation import pallas_interpret
 from k3jax.typing import Array
 from pallas_kernels._triton import triton_params
+from pallas_kernels.short_conv import conv_silu_values
 
 MAX_ROWS = 16
 DOT_ROWS = 16  # x's rows as the matrix units' operand (MAX_ROWS padded; Triton's dot needs >= 16)
@@ -233,13 +234,10 @@ def _conv_silu(conv: _ConvRefs, m: int, row0, bn: int, row_mask: Array | None) -
     taps = [_load(conv.taps.at[pl.ds(row0, bn), pl.ds(j, 1)], taps_mask).reshape(1, bn) for j in range(rows + 1)]
 
     def apply(sums: Array) -> Array:
-        x = sums.astype(conv.round_to).astype(jnp.float32)
-        y = jnp.zeros((1, bn), jnp.float32)
-        for value, tap in zip(past + [x], taps):
-            y = y + value * tap
-        for r, value in enumerate(past[1:] + [x]):
+        y, new_rows = conv_silu_values(past, sums.astype(conv.round_to).astype(jnp.float32), taps)
+        for r, value in enumerate(new_rows):
             pltriton.store(at(r), value.reshape(1, 1, bn), mask=state_mask)
-        return y / (1.0 + jnp.exp(-y))
+        return y
 
     return apply
 

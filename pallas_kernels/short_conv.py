@@ -32,6 +32,16 @@ _F32 = jnp.float32
 BLOCK_CHANNELS = 256  # channels per program (at most; a power of two dividing F)
 
 
+def conv_silu_values(past: list, x: Array, taps: list) -> tuple[Array, list]:
+    """One channel block's conv step in float32: silu(past[0] taps[0] + ... + x taps[W-1]) summed in that
+    order, and the state's rows after it, past[1:] + [x] (the kernels' shared arithmetic, so that every form
+    of the step gives the same bits)."""
+    y = jnp.zeros_like(x)
+    for value, tap in zip(past + [x], taps):
+        y = y + value * tap
+    return y / (1.0 + jnp.exp(-y)), past[1:] + [x]
+
+
 def _conv_silu_kernel(*refs, n_inputs: int, block: int):
     """Refs: xs [B, F] (n_inputs), taps [F, W] (n_inputs), the state input [B, W-1, n F], then ys [B, F]
     float32 (n_inputs) and the state output, which is the state input's buffer (aliased): the state is
@@ -50,12 +60,10 @@ def _conv_silu_kernel(*refs, n_inputs: int, block: int):
             at = lambda r: (pl.ds(b, 1), pl.ds(r, 1), pl.ds(i * width + first, block))
             x = xs[i][pl.ds(b, 1), channels].astype(_F32).reshape(block)
             past = [state[at(r)].reshape(block) for r in range(rows)]
-            tap = lambda j: pltriton.load(taps[i].at[channels, pl.ds(j, 1)]).reshape(block)
-            y = jnp.zeros((block,), _F32)
-            for j, value in enumerate(past + [x]):
-                y = y + value * tap(j)
-            ys[i][pl.ds(b, 1), channels] = (y / (1.0 + jnp.exp(-y))).reshape(1, block)
-            for r, value in enumerate(past[1:] + [x]):
+            tap = [pltriton.load(taps[i].at[channels, pl.ds(j, 1)]).reshape(block) for j in range(rows + 1)]
+            y, new_rows = conv_silu_values(past, x, tap)
+            ys[i][pl.ds(b, 1), channels] = y.reshape(1, block)
+            for r, value in enumerate(new_rows):
                 state[at(r)] = value.reshape(1, 1, block)
 
 
@@ -101,4 +109,4 @@ def conv_silu_step(xs: Sequence[Array], taps: Sequence[Array], state: Array, *,
     return _conv_silu_step(xs, taps, state, interpret=interpret)
 
 
-__all__ = ["BLOCK_CHANNELS", "conv_silu_step"]
+__all__ = ["BLOCK_CHANNELS", "conv_silu_step", "conv_silu_values"]
