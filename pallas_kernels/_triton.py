@@ -1,5 +1,5 @@
-"""What the Pallas Triton kernels share: their compiler parameters, the widths Triton's dot takes, and
-the online-softmax step of the flash-attention loops."""
+"""What the Pallas Triton kernels share: their compiler parameters, the widths Triton's dot takes (and the
+check of a tile's widths), and the online-softmax step of the flash-attention loops."""
 
 from __future__ import annotations
 
@@ -11,6 +11,14 @@ MIN_DOT = 16  # Triton's smallest dot dimension
 def dot_width(n: int) -> bool:
     """Whether n is a width Triton's dot takes: a power of two >= ``MIN_DOT``."""
     return n >= MIN_DOT and not n & (n - 1)
+
+
+def check_dot_widths(blocks, *names: str) -> None:
+    """A ValueError naming ``blocks``' class and field where a named field is not a width Triton's dot takes."""
+    for name in names:
+        n = getattr(blocks, name)
+        if not dot_width(n):
+            raise ValueError(f"{type(blocks).__name__}.{name} must be a power of two >= {MIN_DOT}, got {n}")
 
 
 def online_softmax_step(acc, m, l, s, values):

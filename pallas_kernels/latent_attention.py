@@ -37,7 +37,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from k3jax.implementation import pallas_interpret
 from k3jax.typing import Array
-from pallas_kernels._triton import MIN_DOT, dot_width, online_softmax_step, triton_params
+from pallas_kernels._triton import MIN_DOT, check_dot_widths, dot_width, online_softmax_step, triton_params
 
 _F32 = jnp.float32
 
@@ -55,10 +55,7 @@ class LatentBlocks:
     num_stages: int = 2
 
     def __post_init__(self):
-        for name in ("block_h", "block_k"):
-            n = getattr(self, name)
-            if not dot_width(n):
-                raise ValueError(f"LatentBlocks.{name} must be a power of two >= {MIN_DOT}, got {n}")
+        check_dot_widths(self, "block_h", "block_k")
         if self.split_keys < self.block_k or self.split_keys % self.block_k:
             raise ValueError(f"LatentBlocks.split_keys must be a multiple of block_k = {self.block_k}, got "
                              f"{self.split_keys}")

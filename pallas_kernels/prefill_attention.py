@@ -32,7 +32,7 @@ from jax.experimental import pallas as pl
 
 from k3jax.implementation import pallas_interpret
 from k3jax.typing import Array
-from pallas_kernels._triton import MIN_DOT, dot_width, online_softmax_step, triton_params
+from pallas_kernels._triton import MIN_DOT, check_dot_widths, dot_width, online_softmax_step, triton_params
 
 _F32 = jnp.float32
 
@@ -49,10 +49,7 @@ class AttentionBlocks:
     num_stages: int = 3
 
     def __post_init__(self):
-        for name in ("block_q", "block_k"):
-            n = getattr(self, name)
-            if not dot_width(n):
-                raise ValueError(f"{name} must be a power of two >= {MIN_DOT}, got {n}")
+        check_dot_widths(self, "block_q", "block_k")
 
 
 def _kernel(positions_ref, qn_ref, qp_ref, kn_ref, kp_ref, v_ref, o_ref, *, scale: float, keys: int,
