@@ -23,7 +23,7 @@ Each switch turns one change off (module attributes read while a step is traced)
 - selection kernel: ``MoE._routes_in_kernel`` False (at one token the experts are picked by the selection
   kernel before the fused MoE, not by its hidden programs);
 - h interleaved: ``pallas_kernels.mx_matmul.moe_split.PLANAR_H_MAX_TOKENS`` 0 (the two-kernel MoE's h stored
-  [T*k, F] between its kernels at one token too, not planar).
+  [T*k, F] between its kernels at one token too, not planar);
 - conv kernel: ``k3jax.layers.kda.CONV_IN_MAPS`` False (at one row KDA's short convs and SiLU in a kernel of their
   own after the input maps' matvec kernel, not in its epilogue).
 A candidate turns a form on that is not the default yet (``CANDIDATES``):

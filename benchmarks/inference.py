@@ -106,7 +106,7 @@ def main() -> None:
                 jax.block_until_ready(token)
                 rounds.append((time.perf_counter() - t) / steps)
             step = min(rounds)
-            median = sorted(rounds)[len(rounds) // 2]
+            median = float(np.median(rounds))
             if args.profile:
                 state = {"token": token, "cache": cache}
 

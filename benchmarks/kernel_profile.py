@@ -3,8 +3,9 @@ and the chain of kernels that the call's dependencies force (its critical path).
 
     times = device_times(run_once, calls=5)
     print(kernel_table(times, paths))
-    print(chain_table(critical_path(hlo, times), paths))
-    print(chain_listing(critical_path(hlo, times), paths))  # every link, in order
+    chain = critical_path(hlo, times)
+    print(chain_table(chain, paths))
+    print(chain_listing(chain, paths))  # every link, in order
 
 ``run_once()`` makes one call (a closure, so it can thread a donated cache from call to call);
 ``hlo`` is the optimized HLO text that XLA wrote when run with
