@@ -36,7 +36,17 @@ def median_time(fn, reps: int = 10) -> float:
     return float(np.median(times))
 
 
-WARM_SECONDS = 2.0  # H200 leases idle at 345 MHz; a B=1 step measured 1.1-1.5 ms in the first 3-5 rounds, 0.86 after
+def warm_gpu(seconds: float = 2.0) -> None:
+    """Keeps the GPU busy (bf16 matmuls) for ``seconds``, so that timed rounds right after meet its clocks risen
+    from idle: an H200 lease idles at 345 MHz, and `mini`'s B=1 step read 1.1-1.5 ms in processes that timed it
+    3-5 rounds after compiling, 0.86 ms after this (benchmarks/RESULTS.md, issue 4, twenty-second session)."""
+    if jax.default_backend() == "cpu":
+        return
+    a = jnp.ones((4096, 4096), jnp.bfloat16)
+    matmul = jax.jit(lambda a: (a @ a) * (1 / 4096))  # stays all ones
+    until = time.perf_counter() + seconds
+    while time.perf_counter() < until:
+        a = jax.block_until_ready(matmul(a))
 
 
 def best_round(fn, state, calls: int = 10, rounds: int = 5) -> float:
@@ -114,10 +124,8 @@ def main() -> None:
             token = jnp.zeros((batch,), jnp.int32)
             pos = jnp.full((batch,), args.prompt, jnp.int32)
             key = jax.random.key(0)
-            warm_until = time.perf_counter() + WARM_SECONDS
-            while time.perf_counter() < warm_until:  # steps until the GPU's clocks have risen from idle
-                token, _, cache = gen.decode_step(token, cache, pos, key)
-                jax.block_until_ready(token)
+            jax.block_until_ready(token)
+            warm_gpu()
             steps, rounds = 20, []
             for _ in range(args.rounds):
                 t = time.perf_counter()
