@@ -36,17 +36,13 @@ def median_time(fn, reps: int = 10) -> float:
     return float(np.median(times))
 
 
-def warm_gpu(seconds: float = 2.0) -> None:
-    """Keeps the GPU busy (bf16 matmuls) for ``seconds``, so that timed rounds right after meet its clocks risen
-    from idle: an H200 lease idles at 345 MHz, and `mini`'s B=1 step read 1.1-1.5 ms in processes that timed it
-    3-5 rounds after compiling, 0.86 ms after this (benchmarks/RESULTS.md, issue 4, twenty-second session)."""
-    if jax.default_backend() == "cpu":
-        return
-    a = jnp.ones((4096, 4096), jnp.bfloat16)
-    matmul = jax.jit(lambda a: (a @ a) * (1 / 4096))  # stays all ones
+def warm_up(step, seconds: float = 2.0) -> None:
+    """Calls ``step()`` (a decode step returning an array to wait on) for ``seconds`` before timed rounds: an H200
+    lease idles at 345 MHz, and `mini`'s B=1 step read 1.1-1.5 ms in processes that timed 3-5 rounds right after
+    compiling, 0.86 ms after this (benchmarks/RESULTS.md, issue 4, twenty-second session)."""
     until = time.perf_counter() + seconds
     while time.perf_counter() < until:
-        a = jax.block_until_ready(matmul(a))
+        jax.block_until_ready(step())
 
 
 def best_round(fn, state, calls: int = 10, rounds: int = 5) -> float:
@@ -124,24 +120,23 @@ def main() -> None:
             token = jnp.zeros((batch,), jnp.int32)
             pos = jnp.full((batch,), args.prompt, jnp.int32)
             key = jax.random.key(0)
-            jax.block_until_ready(token)
-            warm_gpu()
+            state = {"token": token, "cache": cache}
+
+            def once():
+                state["token"], _, state["cache"] = gen.decode_step(state["token"], state["cache"], pos, key)
+                return state["token"]
+
+            warm_up(once)
             steps, rounds = 20, []
             for _ in range(args.rounds):
                 t = time.perf_counter()
                 for _ in range(steps):
-                    token, _, cache = gen.decode_step(token, cache, pos, key)
-                jax.block_until_ready(token)
+                    once()
+                jax.block_until_ready(state["token"])
                 rounds.append((time.perf_counter() - t) / steps)
             step = min(rounds)
             median = float(np.median(rounds))
             if args.profile:
-                state = {"token": token, "cache": cache}
-
-                def once():
-                    state["token"], _, state["cache"] = gen.decode_step(state["token"], state["cache"], pos, key)
-                    return state["token"]
-
                 print(f"\n## decode B={batch}, step {step * 1e6:,.0f} us")
                 hlo, times = dumped_hlo(args.profile, "decode"), device_times(once)
                 paths = source_paths(hlo)
