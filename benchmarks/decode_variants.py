@@ -26,9 +26,7 @@ Each switch turns one change off (module attributes read while a step is traced)
   [T*k, F] between its kernels at one token too, not planar);
 - conv kernel: ``k3jax.layers.kda.CONV_IN_MAPS`` False (at one row KDA's short convs and SiLU in a kernel of their
   own after the input maps' matvec kernel, not in its epilogue).
-A candidate turns a form on that is not the default yet (``CANDIDATES``):
-- latent attention kernel: ``k3jax.layers.mla.LATENT_ATTENTION_KERNEL`` True (MLA's decode attention between the
-  absorbed products in one kernel, ``pallas_kernels.latent_attention``, not XLA's six).
+A candidate turns a form on that is not the default yet (``CANDIDATES``; none now).
 Variants: the default, each switch alone, each candidate alone, all the changes off, all the candidates on.
 Also prints each variant's first logits against the default's (with random bf16 weights the model amplifies
 float32 summation order).
@@ -45,7 +43,6 @@ from flax import nnx
 
 import k3jax.inference as inference
 import k3jax.layers.kda as kda
-import k3jax.layers.mla as mla_module
 import k3jax.model as model_module
 import pallas_kernels.mx_matmul as mx_matmul
 import pallas_kernels.mx_matmul.moe_split as moe_split
@@ -70,9 +67,7 @@ OFF = {  # a change's name -> (owner, attribute, value with the change off)
     "h interleaved": (moe_split, "PLANAR_H_MAX_TOKENS", 0),
     "conv kernel": (kda, "CONV_IN_MAPS", False),
 }
-CANDIDATES = {  # a candidate's name -> (owner, attribute, value with it on)
-    "latent attention kernel": (mla_module, "LATENT_ATTENTION_KERNEL", True),
-}
+CANDIDATES = {}  # a candidate's name -> (owner, attribute, value with it on)
 SWITCHES = Switches(OFF, CANDIDATES)
 
 

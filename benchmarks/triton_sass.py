@@ -8,12 +8,11 @@ here, 110 measured by ncu on the H200, benchmarks/RESULTS.md, issue 4, fourteent
 answers without device time: does a kernel spill, how many programs fit on an SM, how many instructions a
 weight element costs, how many come before the first weight load.
 
-    python3 benchmarks/triton_sass.py [moe|matvec|mix|latent] [--preset mini] [--sass]
+    python3 benchmarks/triton_sass.py [moe|matvec|mix] [--preset mini] [--sass]
 
 moe: the batch-1 routed MoE's two kernels (``routed_moe_mx_split``); matvec: the KDA layer's input maps at
 one row with the short convs after them (``pallas_kernels.matvec``); mix: an AttnRes mix with its norm
-(``pallas_kernels.depth_mix``); latent: MLA's decode attention over 192 cached keys
-(``pallas_kernels.latent_attention``).
+(``pallas_kernels.depth_mix``).
 """
 
 from __future__ import annotations
@@ -149,14 +148,6 @@ def _targets(preset_name: str) -> dict[str, tuple[Callable, tuple]]:
         weights, taps, state = operands[:6], operands[6:9], operands[9]
         return matvecs(x, list(weights), [jnp.bfloat16] * len(weights), conv=(taps, state), interpret=False)
 
-    mla = cfg.mla
-    H, S = mla.num_heads, 192
-
-    def latent(q_lat, q_pe, c_kv, k_pe, positions):
-        from pallas_kernels.latent_attention import latent_attention
-
-        return latent_attention(q_lat, q_pe, c_kv, k_pe, positions, 0.1, interpret=False)
-
     def mix(partial, blocks, count, query, proj, norm):
         from pallas_kernels.depth_mix import mix_norm
 
@@ -165,16 +156,13 @@ def _targets(preset_name: str) -> dict[str, tuple[Callable, tuple]]:
     return {
         "moe": (routed, (bf16(1, R), stack(F, R), stack(F, R), stack(R, F), f32(1, E), f32(E))),
         "matvec": (matvec, (bf16(1, D), *maps, *taps, f32(1, W - 1, 2 * qk + v))),
-        "latent": (latent, (f32(1, H, mla.kv_lora_rank), bf16(1, H, mla.qk_rope_head_dim),
-                            bf16(1, S, mla.kv_lora_rank), bf16(1, S, mla.qk_rope_head_dim),
-                            jax.ShapeDtypeStruct((1,), jnp.int32))),
         "mix": (mix, (bf16(1, D), bf16(8, 1, D), jax.ShapeDtypeStruct((), jnp.int32), bf16(D), bf16(D), bf16(D))),
     }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("target", nargs="?", default="moe", choices=["moe", "matvec", "mix", "latent"])
+    ap.add_argument("target", nargs="?", default="moe", choices=["moe", "matvec", "mix"])
     ap.add_argument("--preset", default="mini")
     ap.add_argument("--sass", action="store_true", help="also print every kernel's opcodes in program order")
     args = ap.parse_args()

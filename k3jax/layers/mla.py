@@ -12,17 +12,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import MLAConfig
-from k3jax.functional.mla import (absorbed_attention, absorbed_output, absorbed_query, causal_attention, mla_expand,
-                                  mla_keys_values)
+from k3jax.functional.mla import absorbed_attention, causal_attention, mla_expand, mla_keys_values
 from k3jax.implementation import pallas_interpret, triton_kernels
 from k3jax.layers.basic import Linear, RMSNorm, Rngs, project
 from k3jax.typing import Array
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm, as in the public implementations
-# Whether a decode step's attention between the absorbed products runs as one kernel on the Pallas path off TPU
-# (``pallas_kernels.latent_attention``: scores, mask, softmax and value product, which XLA runs as six kernels):
-# a candidate (off) until a GPU times it, "latent attention kernel" in benchmarks/decode_variants.py. Read at the call.
-LATENT_ATTENTION_KERNEL = False
 
 
 class MLACache(NamedTuple):
@@ -128,8 +123,6 @@ class MLA(nnx.Module):
         q = self.queries(q_in)
         if x.shape[1] > 1 and self._flash_kernel():  # the cache's dtype rounds the operands, as absorbed
             o = self._flash_attention(q, keys.c_kv, keys.k_pe, pos, keys.c_kv.dtype)
-        elif x.shape[1] == 1 and self._latent_kernel(cache.c_kv.dtype):
-            o = self._latent_attention(q, cache, pos[:, 0], window)
         else:
             visible = jnp.arange(keys.c_kv.shape[1])[None, None, :] <= pos[:, :, None]  # [B, T, S]
             q_nope, q_pe = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :]
@@ -145,28 +138,6 @@ class MLA(nnx.Module):
         cfg = self.cfg
         return triton_kernels() and (pallas_interpret() or prefill_attention_runs(
             cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim))
-
-    def _latent_kernel(self, dtype) -> bool:
-        """Whether a decode step attends by the latent-attention kernel (``pallas_kernels.latent_attention``):
-        the switch on, the Pallas path off TPU, and in interpret mode, or with a bf16 cache and widths the
-        kernel takes."""
-        from pallas_kernels.latent_attention import latent_attention_runs
-
-        cfg = self.cfg
-        return LATENT_ATTENTION_KERNEL and triton_kernels() and (pallas_interpret() or (
-            dtype == jnp.bfloat16 and latent_attention_runs(cfg.kv_lora_rank, cfg.qk_rope_head_dim)))
-
-    def _latent_attention(self, q: Array, cache: MLACache, positions: Array, window: int | None) -> Array:
-        """One query per sequence q [B, 1, H, nope + rope] at positions [B] over the cache's first ``window``
-        positions (all: None): ``absorbed_attention`` with its middle in the kernel. Returns [B, 1, H, V] f32."""
-        from pallas_kernels.latent_attention import latent_attention
-
-        cfg, nope = self.cfg, self.cfg.qk_nope_head_dim
-        kv_b, dtype = self.kv_b_proj.weight[...], cache.c_kv.dtype
-        q_lat = absorbed_query(q[..., :nope], kv_b, dtype)[:, 0]
-        o_lat = latent_attention(q_lat, q[:, 0, :, nope:], cache.c_kv, cache.k_pe, positions, cfg.qk_head_dim**-0.5,
-                                 keys=window)
-        return absorbed_output(o_lat[:, None], kv_b, nope, dtype)
 
     def _flash_attention(self, q: Array, c_kv: Array, k_pe: Array, positions: Array, dtype) -> Array:
         """Queries q [B, T, H, nope + rope] at positions [B, T] over the latents c_kv [B, S, R] (after
