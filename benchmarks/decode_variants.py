@@ -99,11 +99,11 @@ def main() -> None:
             err = float(jnp.linalg.norm(logits - first) / jnp.linalg.norm(first))
             print(f"{name}: first logits rel err vs default {err:.2e}")
         times = {name: [] for name in names}
-        run = runs["default"]
+        default = runs["default"]
 
         def default_step():
-            run[1], _, run[2] = run[0].decode_step(run[1], run[2], pos, key)
-            return run[1]
+            default[1], _, default[2] = default[0].decode_step(default[1], default[2], pos, key)
+            return default[1]
 
         warm_up(default_step)
         for _ in range(args.rounds):

@@ -41,7 +41,8 @@ def warm_up(step, seconds: float = 6.0) -> None:
     lease idles at 345 MHz, and a GPU's decode steps stay slow for seconds after it wakes: `mini`'s B=1 step read
     1.1-1.5 ms in processes that timed 3-5 rounds right after compiling, and after 2 s of steps the first 3-4 of
     decode_variants' rounds still read 1.0-1.14 ms; after 6 s every round read 0.85-0.95 (benchmarks/RESULTS.md,
-    issue 4, twenty-second session)."""
+    issue 4, twenty-second session). The clock starts after a first call (which may compile)."""
+    jax.block_until_ready(step())
     until = time.perf_counter() + seconds
     while time.perf_counter() < until:
         jax.block_until_ready(step())
