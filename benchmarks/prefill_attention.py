@@ -7,8 +7,10 @@ expanded keys (the peer), in one run.
     python3 benchmarks/prefill_attention.py [--chunk 2048] [--keys 2048,8192]
 
 Per case (a chunk at the end of S keys): relative error of each form against float32 attention
-from the same bf16 inputs (``causal_attention`` on the expanded keys), then median times (device-synchronized, warm) and rates counted on the
-visible (query, key) pairs only: 2 * pairs * H * (nope + rope + value).
+from the same bf16 inputs (``causal_attention`` on the expanded keys), then median times and rates counted on the
+visible (query, key) pairs only: 2 * pairs * H * (nope + rope + value). The JAX forms are timed in rounds of calls
+dispatched ahead (``inference.median_time``; until the twenty-second session, one synchronized call at a time, which
+counted the host's dispatch in), the peer by CUDA events around each call.
 """
 
 from __future__ import annotations
