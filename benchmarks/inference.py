@@ -1,5 +1,7 @@
 """Decode-step time of the `mini` preset against its memory floor, and 8K-token prefill throughput
-against the GPU's measured bf16 matmul rate. Ceilings are measured in the same run.
+against the GPU's measured bf16 matmul rate. Ceilings are measured in the same run, as the steps are timed: calls
+dispatched ahead, the best round (the copy scales a 2 GiB array in place). Each batch's rounds follow 6 s of its
+decode steps (``warm_up``), so that none meets the clocks of a GPU just woken.
 
     python3 benchmarks/inference.py [--impl pallas] [--batches 1,8,64] [--rounds 10] [--matvec-rows N]
 
