@@ -28,20 +28,6 @@ from k3jax.param_count import count_params
 from kernel_profile import chain_listing, chain_table, critical_path, device_times, dumped_hlo, kernel_table, source_paths
 
 
-def median_time(fn, reps: int = 10, calls: int = 10) -> float:
-    """Seconds per call of ``fn()``: the median of ``reps`` rounds of ``calls`` calls dispatched ahead (so the
-    host's dispatch hides behind the device, as a peer timed by CUDA events leaves it out)."""
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        for _ in range(calls):
-            out = fn()
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t) / calls)
-    return float(np.median(times))
-
-
 def warm_up(step, seconds: float = 6.0) -> None:
     """Calls ``step()`` (a decode step returning an array to wait on) for ``seconds`` before timed rounds. An H200
     lease idles at 345 MHz, and a GPU's decode steps stay slow for seconds after it wakes: `mini`'s B=1 step read

@@ -9,7 +9,7 @@ expanded keys (the peer), in one run.
 Per case (a chunk at the end of S keys): relative error of each form against float32 attention
 from the same bf16 inputs (``causal_attention`` on the expanded keys), then median times and rates counted on the
 visible (query, key) pairs only: 2 * pairs * H * (nope + rope + value). The JAX forms are timed in rounds of calls
-dispatched ahead (``inference.median_time``; until the twenty-second session, one synchronized call at a time, which
+dispatched ahead (``benchmarks.kda.time_jax``; until the twenty-second session, one synchronized call at a time, which
 counted the host's dispatch in), the peer by CUDA events around each call.
 """
 
@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from k3jax.functional.mla import absorbed_attention, causal_attention, mla_expand, mla_keys_values  # noqa: E402
 from pallas_kernels.prefill_attention import AttentionBlocks, prefill_attention  # noqa: E402
 
-from inference import median_time  # noqa: E402  (benchmarks/inference.py)
+from benchmarks.kda import time_jax  # noqa: E402
 
 H, N, P, V, R = 16, 128, 64, 128, 512
 SWEEP = [AttentionBlocks(128, 64, 8, 2), AttentionBlocks(128, 64, 4, 3), AttentionBlocks(64, 64, 4, 3),
@@ -67,8 +67,8 @@ def main() -> None:
         q, (k, _) = jnp.concatenate([q_nope, q_pe], -1), mla_keys_values(c_kv, k_pe, kv_b, H, N)  # [.., 192]
         f32 = lambda a: a.astype(jnp.float32)
         want = jax.jit(causal_attention, static_argnums=3)(f32(q), f32(k), f32(v), scale)  # the last T of S keys
-        t_expand = median_time(lambda: expand(c_kv, kv_b))
-        t_abs = median_time(lambda: absorbed(q_nope, q_pe, c_kv, k_pe, kv_b))
+        t_expand = seconds_per_call(expand, c_kv, kv_b)
+        t_abs = seconds_per_call(absorbed, q_nope, q_pe, c_kv, k_pe, kv_b)
         rows.append((S, "absorbed XLA (before)", rel(absorbed(q_nope, q_pe, c_kv, k_pe, kv_b), want), t_abs, flops))
         rows.append((S, "expand keys (XLA einsum)", float("nan"), t_expand, 2 * S * R * H * (N + V)))
         for blocks in SWEEP:
@@ -76,7 +76,7 @@ def main() -> None:
                                                                                   blocks=b))
             out = jax.block_until_ready(run(q_nope, q_pe, k_nope, k_pe, v))
             rows.append((S, f"kernel {blocks.block_q}x{blocks.block_k} w{blocks.num_warps} s{blocks.num_stages}",
-                         rel(out, want), median_time(lambda: run(q_nope, q_pe, k_nope, k_pe, v)), flops))
+                         rel(out, want), seconds_per_call(run, q_nope, q_pe, k_nope, k_pe, v), flops))
         if T == S:
             rows += _cudnn(q, k, v, scale, want, flops)
         rows += _torch_peer(q, k, v, pos, scale, want, flops)
@@ -84,6 +84,11 @@ def main() -> None:
     print(f"{'S':>6} | {'form':<34} | {'rel err':>9} | {'ms':>8} | {'TF/s':>6}")
     for S, name, err, seconds, flops in rows:
         print(f"{S:>6} | {name:<34} | {err:9.2e} | {seconds * 1e3:8.3f} | {flops / seconds / 1e12:6.1f}")
+
+
+def seconds_per_call(fn, *args) -> float:
+    """Seconds per call of ``fn(*args)`` (``time_jax``: the median of rounds of calls dispatched ahead)."""
+    return time_jax(fn, *args) / 1e3
 
 
 def _cudnn(q, k, v, scale, want, flops):
@@ -102,7 +107,7 @@ def _cudnn(q, k, v, scale, want, flops):
     except Exception as e:  # no cuDNN attention here (a CPU, or an unsupported shape): say why
         print(f"cuDNN attention skipped: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
         return []
-    return [(k.shape[1], "cuDNN causal, v padded to 192", err, median_time(lambda: run(*args)), flops)]
+    return [(k.shape[1], "cuDNN causal, v padded to 192", err, seconds_per_call(run, *args), flops)]
 
 
 def _torch_peer(q, k, v, pos, scale, want, flops):
