@@ -161,7 +161,7 @@ def _chain_kernel(x_g, w_g, out_g, w_s, x_s, out_s, w_bars, x_bar, *, links: int
                 t = link * steps + step
                 slot = jax.lax.rem(t, stages)
                 plgpu.barrier_wait(w_bars.at[slot])
-                plgpu.wgmma(acc_ref, w_s.at[slot], plgpu.transpose_ref(x_s.at[step], (1, 0)))
+                plgpu.wgmma(acc_ref, w_s.at[slot], x_s.at[step].transpose((1, 0)))
                 plgpu.wgmma_wait(0)
                 refill = t + stages < total if ahead else step + stages < steps
 
@@ -180,7 +180,11 @@ def _chain_kernel(x_g, w_g, out_g, w_s, x_s, out_s, w_bars, x_bar, *, links: int
         plgpu.copy_smem_to_gmem(out_s, out_g.at[link, :, rows])
         plgpu.wait_smem_to_gmem(0)
 
-    fetch_link_start(0)
+    if ahead:  # the ring runs across links from the start
+        for t in range(min(stages, total)):
+            fetch(t)
+    else:
+        fetch_link_start(0)
     run_link(0, x_g)
 
     def link_fn(link, _):
@@ -278,6 +282,8 @@ def main() -> None:
             seconds = [time_jax(make(length)) / 1e3 for length in (short, long)]  # time_jax: ms
             per_link = (seconds[1] - seconds[0]) / (long - short)
             rows.append((f"{n}x{k}", name, per_link * 1e6, n * k * 2 / per_link / 1e12))
+            print(f"{n}x{k} {name}: {seconds[0] * 1e6:.0f} / {seconds[1] * 1e6:.0f} us per call of {short} / {long} "
+                  f"links, {per_link * 1e6:.2f} us per link", flush=True)
     print(f"\ndevice {jax.devices()[0].device_kind}, JAX {jax.__version__}; chains of {short} and {long} links")
     print("weights | form | us per link | TB/s")
     for shape, name, us, tbs in rows:
