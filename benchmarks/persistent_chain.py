@@ -207,6 +207,10 @@ def persistent_chain(x8, weights, *, links: int, bk: int = 256, stages: int = 4,
         raise ValueError(f"weights [W, N, K] = {weights.shape}, x8 {x8.shape}: N a multiple of {ROWS}, K of "
                          f"bk = {bk}, K <= N, x8 [{X_ROWS}, N]")
     programs = n // ROWS
+    sms = getattr(jax.devices()[0], "core_count", programs)
+    if programs > sms:  # the grid barrier waits for every program: all must be resident at once
+        raise ValueError(f"weights [W, N, K] = {weights.shape}: N / {ROWS} = {programs} programs, more than the "
+                         f"{sms} SMs (the grid barrier would wait forever)")
     steps = k // bk
     scratch = [
         plgpu.SMEM((stages, ROWS, bk), _BF16, transforms=_tile_transforms()),
