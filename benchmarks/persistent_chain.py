@@ -42,6 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from benchmarks.kda import time_jax
+from pallas_kernels._mosaic_gpu import store_transposed
 from pallas_kernels.matvec import matvecs
 
 ROWS, X_ROWS = 64, 8
@@ -50,23 +51,6 @@ _F32, _BF16 = jnp.float32, jnp.bfloat16
 
 def _tile_transforms() -> tuple:
     return plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
-
-
-def _store_transposed():
-    """acc [64, 8] (WGMMA layout) -> out_ref [8, 64] in shared memory, each thread its own elements."""
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm, memref
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
-    def store(ctx, acc, out_ref):
-        del ctx
-        i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
-        for reg, (row, col) in zip(acc.registers.flat, acc.layout.thread_idxs(acc.shape)):
-            for e in range(ir.VectorType(reg.type).shape[0]):
-                value = llvm.extractelement(reg, arith.constant(i32, e))
-                memref.store(value, out_ref, [arith.addi(col, arith.constant(index, e)), row])
-
-    return store
 
 
 def _signal_every_program(programs: int):
@@ -176,7 +160,7 @@ def _chain_kernel(x_g, w_g, out_g, w_s, x_s, out_s, w_bars, x_bar, *, links: int
             return acc_ref[...]
 
         acc = pl.run_scoped(accumulate, plgpu.ACC((ROWS, X_ROWS), _F32))
-        _store_transposed()(acc.astype(_BF16), out_s)
+        store_transposed()(acc.astype(_BF16), out_s)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(out_s, out_g.at[link, :, rows])
         plgpu.wait_smem_to_gmem(0)

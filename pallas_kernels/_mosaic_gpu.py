@@ -1,4 +1,5 @@
-"""What the Mosaic GPU kernels (KDA, MX matmul) share across JAX versions."""
+"""What the Mosaic GPU kernels (KDA, MX matmul) share: interpret-mode parameters across JAX versions, and a
+wgmma accumulator's transposed store."""
 
 from __future__ import annotations
 
@@ -18,3 +19,24 @@ def interpret_params():
 def interpret_argument(interpret: bool):
     """The Mosaic GPU kernels' ``interpret`` argument: ``interpret_params()`` in interpret mode, else False."""
     return interpret_params() if interpret else False
+
+
+def store_transposed():
+    """Inline Mosaic GPU function (ctx, acc [64, Mp] in the WGMMA layout, out_ref [Mp, 64] in shared
+    memory): out_ref[col, row] = acc[row, col], each thread storing its own registers' elements, then a
+    warpgroup barrier (the store is complete for every thread before a copy out)."""
+    import jax.experimental.mosaic.gpu as mgpu
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm, memref
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
+    def store(ctx, acc, out_ref):
+        del ctx
+        i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
+        for reg, (row, col) in zip(acc.registers.flat, acc.layout.thread_idxs(acc.shape)):
+            for e in range(ir.VectorType(reg.type).shape[0]):
+                value = llvm.extractelement(reg, arith.constant(i32, e))
+                memref.store(value, out_ref, [arith.addi(col, arith.constant(index, e)), row])
+        mgpu.utils.warpgroup_barrier()
+
+    return store

@@ -47,7 +47,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from k3jax.mx import BLOCK, ZERO_BLOCK_SCALE_BYTE
 from k3jax.typing import Array
-from pallas_kernels._mosaic_gpu import interpret_params
+from pallas_kernels._mosaic_gpu import interpret_params, store_transposed
 from pallas_kernels.mx_matmul.kernel import (
     _BF16X2_2_POW_126,
     _BF16X2_NEG_ZERO,
@@ -252,26 +252,6 @@ def _x_tile_transforms() -> tuple:
     return plgpu.TilingTransform((8, _X_TILE_COLS)), plgpu.SwizzleTransform(_SWIZZLE_BYTES)
 
 
-def _store_transposed():
-    """Inline Mosaic GPU function (ctx, acc [64, Mp] in the WGMMA layout, out_ref [Mp, 64] in shared
-    memory): out_ref[col, row] = acc[row, col], each thread storing its own registers' elements."""
-    import jax.experimental.mosaic.gpu as mgpu
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm, memref
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
-    def store(ctx, acc, out_ref):
-        del ctx
-        i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
-        for reg, (row, col) in zip(acc.registers.flat, acc.layout.thread_idxs(acc.shape)):
-            for e in range(ir.VectorType(reg.type).shape[0]):
-                value = llvm.extractelement(reg, arith.constant(i32, e))
-                memref.store(value, out_ref, [arith.addi(col, arith.constant(index, e)), row])
-        mgpu.utils.warpgroup_barrier()
-
-    return store
-
-
 def _warpgroup_barrier():
     """Inline Mosaic GPU function (ctx): a barrier of the warpgroup's threads, no memory fence: the
     slot's tiles were only read (its codes by this thread's loads, its x tile by the finished wgmma)."""
@@ -360,7 +340,7 @@ def _program(codes_g, scales_g, x_g, w_rows, x_rows, out_src, out_dst, codes_s, 
         if interpret:
             out_s[...] = acc.T.astype(out_s.dtype)
         else:
-            _store_transposed()(acc.astype(out_s.dtype), out_s)
+            store_transposed()(acc.astype(out_s.dtype), out_s)
     else:
         out_s[...] = acc.astype(out_s.dtype)
     plgpu.commit_smem()
