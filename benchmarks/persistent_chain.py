@@ -63,12 +63,10 @@ def _signal_every_program(programs: int):
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
     def signal(ctx, counters):
         del ctx
-        i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
+        i32 = ir.IntegerType.get_signless(32)
         mgpu.utils.warpgroup_barrier()
         tid = arith.index_cast(i32, gpu.thread_id(gpu.Dimension.x))
-        base = mgpu.utils.memref_ptr(counters)
-        offset = arith.muli(arith.extui(i64, tid), arith.constant(i64, 4))
-        ptr = llvm.inttoptr(base.type, arith.addi(llvm.ptrtoint(i64, base), offset))
+        ptr = mgpu.utils.getelementptr(mgpu.utils.memref_ptr(counters), [tid], i32)
         active = arith.cmpi(arith.CmpIPredicate.ult, tid, arith.constant(i32, programs))
         llvm.inline_asm(ir.Type.parse("!llvm.void"), [ptr, active],
                         "@$1 red.release.gpu.global.add.u32 [$0], 1;", "l,b", has_side_effects=True)
@@ -86,11 +84,9 @@ def _wait_for_every_program(programs: int):
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
     def wait(ctx, counters):
         del ctx
-        i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
+        i32 = ir.IntegerType.get_signless(32)
         block = arith.index_cast(i32, gpu.block_id(gpu.Dimension.x))
-        base = mgpu.utils.memref_ptr(counters)
-        offset = arith.muli(arith.extui(i64, block), arith.constant(i64, 4))
-        ptr = llvm.inttoptr(base.type, arith.addi(llvm.ptrtoint(i64, base), offset))
+        ptr = mgpu.utils.getelementptr(mgpu.utils.memref_ptr(counters), [block], i32)
         first = arith.cmpi(arith.CmpIPredicate.eq, arith.index_cast(i32, gpu.thread_id(gpu.Dimension.x)),
                            arith.constant(i32, 0))
         llvm.inline_asm(
@@ -210,6 +206,7 @@ def persistent_chain(x8, weights, *, links: int, bk: int = 256, stages: int = 4,
                         grid=(programs,), grid_names=("rows",))(x8, weights)
 
 
+@functools.partial(jax.jit, static_argnames="links")
 def triton_chain(x_row, weights, *, links: int):
     """The same chain as one ``matvecs`` kernel per link; returns the last link's output row [N]."""
     n_weights, _, k = weights.shape
@@ -259,7 +256,7 @@ def main() -> None:
             "persistent, no copies ahead": lambda links: functools.partial(
                 persistent_chain, x8, weights, links=links, bk=args.bk, stages=args.stages, ahead=False),
             "Triton matvec": lambda links: functools.partial(
-                jax.jit(triton_chain, static_argnames="links"), x_row, weights, links=links),
+                triton_chain, x_row, weights, links=links),
         }
         for name, make in forms.items():
             out = np.asarray(make(short)()).astype(np.float32)
