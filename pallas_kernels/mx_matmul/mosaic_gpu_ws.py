@@ -56,13 +56,16 @@ class SpecializedBlocks:
     """consumers: compute warpgroups per program (64 weight rows each, 1..4: a TMA box has at most 256
     rows); stages: ring slots; bk: contracted elements per step (128 or 256); out_mn: the kernel writes
     [M, N] itself (``mosaic_gpu.MosaicBlocks.out_mn``); programs: persistent blocks (None: the GPU's SM
-    count, or every unit its own program where no GPU is present)."""
+    count, or every unit its own program where no GPU is present); set_registers: the memory warpgroup gives
+    registers to the compute warpgroups (``setmaxnreg``; with one compute warpgroup every thread has
+    enough without it)."""
 
     consumers: int = 3
     stages: int = 6
     bk: int = 256
     out_mn: bool = False
     programs: int | None = None
+    set_registers: bool = True
 
     def __post_init__(self):
         if not 1 <= self.consumers <= 4 or self.stages < 1 or self.bk not in (128, 256):
@@ -70,9 +73,15 @@ class SpecializedBlocks:
         if self.programs is not None and self.programs < 1:
             raise ValueError(f"programs must be None or >= 1, got {self.programs}")
 
+    def gives_registers(self) -> bool:
+        return self.set_registers and self.consumers > 1
+
     def compute_registers(self) -> int:
-        """Registers per compute thread once the memory warpgroup has given its up: a multiple of 8."""
-        return (_REGISTERS - 128 * _MEMORY_REGISTERS) // (128 * self.consumers) // 8 * 8
+        """Registers per compute thread once the memory warpgroup has given its up: of the registers the block
+        is launched with (at most 65536 / threads per thread, a multiple of 8), a multiple of 8."""
+        threads = 128 * (self.consumers + 1)
+        launched = _REGISTERS // threads // 8 * 8 * threads
+        return (launched - 128 * _MEMORY_REGISTERS) // (threads - 128) // 8 * 8
 
 
 def _sm_count() -> int | None:
@@ -95,7 +104,7 @@ def _kernel(codes_g, scales_g, x_g, out_g, codes_s, scales_s, x_s, out_s, full, 
 
     @pl.when(wg == consumers)
     def _memory():
-        if not interpret:
+        if blocks.gives_registers() and not interpret:
             plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
 
         def fetch(i, _):
@@ -116,7 +125,7 @@ def _kernel(codes_g, scales_g, x_g, out_g, codes_s, scales_s, x_s, out_s, full, 
 
     @pl.when(wg < consumers)
     def _compute():
-        if not interpret:
+        if blocks.gives_registers() and not interpret:
             plgpu.set_max_registers(blocks.compute_registers(), action="increase")
         mine = pl.ds(wg * ROWS, ROWS)
         decode = None if interpret else _decode_registers(bk)
