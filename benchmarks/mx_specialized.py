@@ -3,7 +3,8 @@ kernel the dense default runs (``mosaic_gpu.py``) and a bf16 dot, at the dense d
 
     python3 benchmarks/mx_specialized.py [--configs 3:6:256,2:6:256] [--rounds 3] [--m 1,16]
 
-A config is consumers:stages:bk[:0] (a trailing 0: no ``setmaxnreg``). First every config is checked on this GPU against the float32 reference
+A config is consumers:stages:bk[:registers[:x_resident]] (registers 0: no ``setmaxnreg``; x_resident 1: x
+loaded into shared memory once per program). First every config is checked on this GPU against the float32 reference
 (awkward M, N and K; scale bytes 100..140, which take the decode's two-multiply branch) and, at the decode
 shape, against XLA's decode-then-dot. Then x [M, 3584] @ MXFP4 [49152, 3584]^T (88 MB of codes, 5.5 MB of
 scales) is timed for each kernel as 50 calls in one jitted loop (``mx_matmul.looped``), the kernels in
@@ -43,10 +44,12 @@ def kernels(m: int, configs) -> dict:
     out_mn = m == 1
     fns = {"mosaic_gpu 64x256 s2 (default)": functools.partial(
         mx_matmul_mosaic, blocks=MosaicBlocks(256, 2, out_mn=out_mn))}
-    for consumers, stages, bk, *registers in configs:
+    for consumers, stages, bk, *flags in configs:
+        registers, x_resident = (flags + [1, 0][len(flags):])[:2]
         blocks = SpecializedBlocks(consumers=consumers, stages=stages, bk=bk, out_mn=out_mn,
-                                   set_registers=bool(registers[0]) if registers else True)
-        name = f"specialized C{consumers} s{stages} bk{bk}{'' if blocks.set_registers else ' no setmaxnreg'}"
+                                   set_registers=bool(registers), x_resident=bool(x_resident))
+        name = (f"specialized C{consumers} s{stages} bk{bk}{'' if blocks.set_registers else ' no setmaxnreg'}"
+                f"{' x resident' if blocks.x_resident else ''}")
         fns[name] = functools.partial(mx_matmul_specialized, blocks=blocks)
     return fns
 

@@ -15,11 +15,11 @@ from reference_numpy import rel_err
 
 # Each case has programs that take several units (so the ring runs across units and the output tiles are
 # reused), more steps than slots (slots refilled after the empty barrier), N not a whole number of units
-# and K not of bk (padded). In the first the last step's scale window is pushed back inside the scale
+# and K not of bk (padded). The first keeps x in shared memory. In the first the last step's scale window is pushed back inside the scale
 # columns (K padded to 1024: 32 columns, window from 16, the step's columns at offset 8); the second has
 # scale bytes above 128 (the GPU decode's two-multiply branch).
 @pytest.mark.parametrize("blocks,m,n,k,scale_bytes", [
-    (SpecializedBlocks(consumers=2, stages=2, bk=256, programs=2), 13, 600, 800, (110, 135)),
+    (SpecializedBlocks(consumers=2, stages=2, bk=256, programs=2, x_resident=True), 13, 600, 800, (110, 135)),
     (SpecializedBlocks(consumers=1, stages=3, bk=128, out_mn=True, programs=2), 1, 300, 544, (100, 141)),
 ])
 def test_specialized_matches_reference(blocks, m, n, k, scale_bytes):

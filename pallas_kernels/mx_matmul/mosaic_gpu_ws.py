@@ -58,7 +58,8 @@ class SpecializedBlocks:
     [M, N] itself (``mosaic_gpu.MosaicBlocks.out_mn``); programs: persistent blocks (None: the GPU's SM
     count, or every unit its own program where no GPU is present); set_registers: the memory warpgroup gives
     registers to the compute warpgroups (``setmaxnreg``; with one compute warpgroup every thread has
-    enough without it)."""
+    enough without it); x_resident: the whole x operand is copied into shared memory once per program instead
+    of a tile per step through the ring."""
 
     consumers: int = 3
     stages: int = 6
@@ -66,6 +67,7 @@ class SpecializedBlocks:
     out_mn: bool = False
     programs: int | None = None
     set_registers: bool = True
+    x_resident: bool = False
 
     def __post_init__(self):
         if not 1 <= self.consumers <= 4 or self.stages < 1 or self.bk not in (128, 256):
@@ -89,23 +91,32 @@ def _sm_count() -> int | None:
     return getattr(device, "core_count", None) if device.platform == "gpu" else None
 
 
-def _kernel(codes_g, scales_g, x_g, out_g, codes_s, scales_s, x_s, out_s, full, empty, *, n_steps: int,
-            n_units: int, programs: int, n_scale_cols: int, m: int, blocks: SpecializedBlocks, interpret: bool):
+def _kernel(codes_g, scales_g, x_g, out_g, codes_s, scales_s, x_s, out_s, full, empty, x_bar, *, n_steps: int,
+            n_units: int, programs: int, m: int, blocks: SpecializedBlocks, interpret: bool):
     consumers, stages, bk = blocks.consumers, blocks.stages, blocks.bk
     program, wg = jax.lax.axis_index("programs"), jax.lax.axis_index("wg")
     unit_rows = consumers * ROWS
     my_units = (n_units - program + programs - 1) // programs
 
     def window(step):
-        """First scale column of the step's copied window (kept inside the array) and the step's offset in it."""
+        """First scale column of the step's copied window (16-aligned: a TMA copy of a window from another column
+        is an illegal instruction on the H200) and the step's offset in it; the step's bk / 32 columns fit."""
         first = step * (bk // BLOCK)
-        start = jnp.minimum(first, n_scale_cols - _SCALE_WINDOW)
-        return start, first - start
+        return pl.multiple_of(first // _SCALE_WINDOW * _SCALE_WINDOW, _SCALE_WINDOW), jax.lax.rem(first, _SCALE_WINDOW)
+
+    x_resident = blocks.x_resident
+
+    def x_tile(slot, step):
+        """The step's x tile [Mp, bk] in shared memory."""
+        return x_s.at[step if x_resident else slot]
 
     @pl.when(wg == consumers)
     def _memory():
         if blocks.gives_registers() and not interpret:
             plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+        if x_resident:
+            for step in range(n_steps):
+                plgpu.copy_gmem_to_smem(x_g.at[:, pl.ds(step * bk, bk)], x_s.at[step], x_bar.at[0])
 
         def fetch(i, _):
             slot, step = jax.lax.rem(i, stages), jax.lax.rem(i, n_steps)
@@ -116,7 +127,8 @@ def _kernel(codes_g, scales_g, x_g, out_g, codes_s, scales_s, x_s, out_s, full, 
                 plgpu.barrier_wait(empty.at[slot])
 
             plgpu.copy_gmem_to_smem(codes_g.at[rows, pl.ds(step * (bk // 2), bk // 2)], codes_s.at[slot], full.at[slot])
-            plgpu.copy_gmem_to_smem(x_g.at[:, pl.ds(step * bk, bk)], x_s.at[slot], full.at[slot])
+            if not x_resident:
+                plgpu.copy_gmem_to_smem(x_g.at[:, pl.ds(step * bk, bk)], x_s.at[slot], full.at[slot])
             plgpu.copy_gmem_to_smem(scales_g.at[rows, pl.ds(window(step)[0], _SCALE_WINDOW)], scales_s.at[slot],
                                     full.at[slot])
             return ()
@@ -128,6 +140,8 @@ def _kernel(codes_g, scales_g, x_g, out_g, codes_s, scales_s, x_s, out_s, full, 
         if blocks.gives_registers() and not interpret:
             plgpu.set_max_registers(blocks.compute_registers(), action="increase")
         mine = pl.ds(wg * ROWS, ROWS)
+        if x_resident:
+            plgpu.barrier_wait(x_bar.at[0])
         decode = None if interpret else _decode_registers(bk)
         barrier = None if interpret else _warpgroup_barrier()
 
@@ -150,16 +164,16 @@ def _kernel(codes_g, scales_g, x_g, out_g, codes_s, scales_s, x_s, out_s, full, 
             if interpret:
                 def step_fn(step, acc):
                     slot, w = tiles(first_item + step, step)
-                    acc = acc + jnp.dot(w, x_s[slot].T, preferred_element_type=_F32)
+                    acc = acc + jnp.dot(w, x_tile(slot, step)[...].T, preferred_element_type=_F32)
                     release(first_item + step, slot)
                     return acc
 
-                acc = jax.lax.fori_loop(0, n_steps, step_fn, jnp.zeros((ROWS, x_s.shape[1]), _F32))
+                acc = jax.lax.fori_loop(0, n_steps, step_fn, jnp.zeros((ROWS, x_s.shape[-2]), _F32))
             else:
                 def accumulate(acc_ref):
                     def step_fn(step, _):
                         slot, w = tiles(first_item + step, step)
-                        plgpu.wgmma(acc_ref, w, plgpu.transpose_ref(x_s.at[slot], (1, 0)))
+                        plgpu.wgmma(acc_ref, w, plgpu.transpose_ref(x_tile(slot, step), (1, 0)))
                         plgpu.wgmma_wait(0)
                         release(first_item + step, slot)
                         return ()
@@ -167,7 +181,7 @@ def _kernel(codes_g, scales_g, x_g, out_g, codes_s, scales_s, x_s, out_s, full, 
                     jax.lax.fori_loop(0, n_steps, step_fn, ())
                     return acc_ref[...]
 
-                acc = pl.run_scoped(accumulate, plgpu.ACC((ROWS, x_s.shape[1]), _F32))
+                acc = pl.run_scoped(accumulate, plgpu.ACC((ROWS, x_s.shape[-2]), _F32))
             _store(acc, out_g, out_s.at[wg], (program + u * programs) * unit_rows + wg * ROWS, m, blocks.out_mn,
                    interpret, barrier)
             return ()
@@ -204,7 +218,7 @@ def mx_matmul_specialized(x: Array, codes: Array, scales: Array, *, blocks: Spec
     if mp > 64:
         raise ValueError(f"mx_matmul_specialized takes at most 64 rows of x, got {m}")
     unit_rows = blocks.consumers * ROWS
-    codes, scales, _, kp, n_scale_cols = weight_operands(codes, scales, blocks.bk)
+    codes, scales, _, kp, _ = weight_operands(codes, scales, blocks.bk)
     np_ = -(-n // unit_rows) * unit_rows
     codes = jnp.pad(codes, ((0, np_ - codes.shape[0]), (0, 0)))
     scales = jnp.pad(scales, ((0, np_ - scales.shape[0]), (0, 0)))
@@ -215,12 +229,13 @@ def mx_matmul_specialized(x: Array, codes: Array, scales: Array, *, blocks: Spec
     scratch = [
         plgpu.SMEM((stages, unit_rows, bk // 2), jnp.uint8),
         plgpu.SMEM((stages, unit_rows, _SCALE_WINDOW), jnp.uint8),
-        plgpu.SMEM((stages, mp, bk), _BF16, transforms=_x_tile_transforms()),
+        plgpu.SMEM((kp // bk if blocks.x_resident else stages, mp, bk), _BF16, transforms=_x_tile_transforms()),
         plgpu.SMEM((blocks.consumers, *out_tile), out_dtype),
-        plgpu.Barrier(num_arrivals=3, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=3 - blocks.x_resident, num_barriers=stages),
         plgpu.Barrier(num_arrivals=blocks.consumers, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=kp // bk, num_barriers=1),
     ]
-    kernel = functools.partial(_kernel, n_steps=kp // bk, n_units=n_units, programs=programs, n_scale_cols=n_scale_cols, m=m,
+    kernel = functools.partial(_kernel, n_steps=kp // bk, n_units=n_units, programs=programs, m=m,
                                blocks=blocks, interpret=bool(interpret))
     out = plgpu.kernel(
         kernel,
