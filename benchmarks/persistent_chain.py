@@ -42,15 +42,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from benchmarks.kda import time_jax
-from pallas_kernels._mosaic_gpu import store_transposed
+from pallas_kernels._mosaic_gpu import store_transposed, swizzled
 from pallas_kernels.matvec import matvecs
 
 ROWS, X_ROWS = 64, 8
 _F32, _BF16 = jnp.float32, jnp.bfloat16
-
-
-def _tile_transforms() -> tuple:
-    return plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
 
 
 def _signal_every_program(programs: int):
@@ -194,8 +190,8 @@ def persistent_chain(x8, weights, *, links: int, bk: int = 256, stages: int = 4,
                          f"{sms} SMs (the grid barrier would wait forever)")
     steps = k // bk
     scratch = [
-        plgpu.SMEM((stages, ROWS, bk), _BF16, transforms=_tile_transforms()),
-        plgpu.SMEM((steps, X_ROWS, bk), _BF16, transforms=_tile_transforms()),
+        plgpu.SMEM((stages, ROWS, bk), _BF16, transforms=swizzled(bk)),
+        plgpu.SMEM((steps, X_ROWS, bk), _BF16, transforms=swizzled(bk)),
         plgpu.SMEM((X_ROWS, ROWS), _BF16),
         plgpu.Barrier(num_arrivals=1, num_barriers=stages),
         plgpu.Barrier(num_arrivals=steps, num_barriers=1),

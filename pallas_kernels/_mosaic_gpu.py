@@ -1,8 +1,9 @@
-"""What the Mosaic GPU kernels (KDA, MX matmul) share: interpret-mode parameters across JAX versions, and a
-wgmma accumulator's transposed store."""
+"""What the Mosaic GPU kernels (KDA, MX matmul) share: interpret-mode parameters across JAX versions, the
+swizzled layout of shared-memory tiles, and a wgmma accumulator's transposed store."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 
@@ -19,6 +20,14 @@ def interpret_params():
 def interpret_argument(interpret: bool):
     """The Mosaic GPU kernels' ``interpret`` argument: ``interpret_params()`` in interpret mode, else False."""
     return interpret_params() if interpret else False
+
+
+def swizzled(minor: int, dtype=jnp.bfloat16) -> tuple:
+    """Tiling and swizzle of a shared-memory tile whose rows hold ``minor`` elements of ``dtype``:
+    8-row tiles of at most 128 bytes a row, swizzled by the tile's row width (wgmma operands, and
+    conflict-free stores and loads of wgmma-layout registers)."""
+    row_bytes = min(minor * jnp.dtype(dtype).itemsize, 128)
+    return plgpu.TilingTransform((8, row_bytes // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(row_bytes)
 
 
 def store_transposed():

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._mosaic_gpu import interpret_params
+from pallas_kernels._mosaic_gpu import interpret_params, swizzled
 from pallas_kernels.kda.kernel import KDABlocks, intra_chunk
 
 CHUNK = 32
@@ -40,14 +40,6 @@ WGMMA_ROWS = 64  # rows of a wgmma product per warpgroup
 _F32, _BF16 = jnp.float32, jnp.bfloat16
 _N_LOADS = 6  # tiles brought in per chunk: W, U, decayed q, A_qk, decayed k, exp(G_C)
 _INTRA_BLOCKS = KDABlocks(chunk=CHUNK, inter_dtype="bfloat16")
-
-
-def _swizzled(minor: int, dtype=_BF16):
-    """Tiling and swizzle of a shared-memory tile whose rows hold ``minor`` elements of ``dtype``:
-    8-row tiles of at most 128 bytes a row, swizzled by the tile's row width (wgmma operands, and
-    conflict-free stores and loads of wgmma-layout registers)."""
-    row_bytes = min(minor * jnp.dtype(dtype).itemsize, 128)
-    return plgpu.TilingTransform((8, row_bytes // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(row_bytes)
 
 
 def _load(ref, layout, interpret):
@@ -148,17 +140,17 @@ def state_walk(w, u, qg, kg, aqk, gend, initial_state, *, interpret=False):
         raise ValueError(f"K={K} must be a multiple of {WGMMA_ROWS} and BLOCK_V={bv} divide V={V}")
     slots = 2
     scratch = [
-        plgpu.SMEM((slots, WGMMA_ROWS, K), _BF16, transforms=_swizzled(K)),  # W
-        plgpu.SMEM((slots, WGMMA_ROWS, bv), _BF16, transforms=_swizzled(bv)),  # U
-        plgpu.SMEM((slots, WGMMA_ROWS, K), _BF16, transforms=_swizzled(K)),  # decayed q
-        plgpu.SMEM((slots, WGMMA_ROWS, CHUNK), _BF16, transforms=_swizzled(CHUNK)),  # A_qk
-        plgpu.SMEM((slots, CHUNK, K), _BF16, transforms=_swizzled(CHUNK)),  # decayed k (64-byte swizzle)
+        plgpu.SMEM((slots, WGMMA_ROWS, K), _BF16, transforms=swizzled(K)),  # W
+        plgpu.SMEM((slots, WGMMA_ROWS, bv), _BF16, transforms=swizzled(bv)),  # U
+        plgpu.SMEM((slots, WGMMA_ROWS, K), _BF16, transforms=swizzled(K)),  # decayed q
+        plgpu.SMEM((slots, WGMMA_ROWS, CHUNK), _BF16, transforms=swizzled(CHUNK)),  # A_qk
+        plgpu.SMEM((slots, CHUNK, K), _BF16, transforms=swizzled(CHUNK)),  # decayed k (64-byte swizzle)
         plgpu.SMEM((slots, K), _F32),  # exp(G_C)
-        plgpu.SMEM((K, bv), _BF16, transforms=_swizzled(bv)),  # the state as a wgmma operand
+        plgpu.SMEM((K, bv), _BF16, transforms=swizzled(bv)),  # the state as a wgmma operand
         # V': the right operand after A_qk and k^T, whose 64-byte rows set its swizzle
-        plgpu.SMEM((WGMMA_ROWS, bv), _BF16, transforms=_swizzled(CHUNK)),
-        plgpu.SMEM((slots, WGMMA_ROWS, bv), _F32, transforms=_swizzled(bv, _F32)),  # O on its way out
-        plgpu.SMEM((K, bv), _F32, transforms=_swizzled(bv, _F32)),  # initial / final state
+        plgpu.SMEM((WGMMA_ROWS, bv), _BF16, transforms=swizzled(CHUNK)),
+        plgpu.SMEM((slots, WGMMA_ROWS, bv), _F32, transforms=swizzled(bv, _F32)),  # O on its way out
+        plgpu.SMEM((K, bv), _F32, transforms=swizzled(bv, _F32)),  # initial / final state
         plgpu.Barrier(num_barriers=_N_LOADS * slots + 1),
     ]
     kernel = functools.partial(_walk_kernel, n_chunks=T // CHUNK, interpret=bool(interpret))

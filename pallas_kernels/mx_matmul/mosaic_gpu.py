@@ -47,7 +47,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from k3jax.mx import BLOCK, ZERO_BLOCK_SCALE_BYTE
 from k3jax.typing import Array
-from pallas_kernels._mosaic_gpu import interpret_params, store_transposed
+from pallas_kernels._mosaic_gpu import interpret_params, store_transposed, swizzled
 from pallas_kernels.mx_matmul.kernel import (
     _BF16X2_2_POW_126,
     _BF16X2_NEG_ZERO,
@@ -243,15 +243,6 @@ def _decode_registers(bk: int):
     return decode
 
 
-_SWIZZLE_BYTES = 128  # x tiles: rows of 64 bf16 in 8-row tiles, 16-byte chunks swizzled by row
-_X_TILE_COLS = _SWIZZLE_BYTES // 2
-
-
-def _x_tile_transforms() -> tuple:
-    """The shared-memory layout of x tiles (wgmma's B operand): 8 x 64 tiles, 128-byte swizzle."""
-    return plgpu.TilingTransform((8, _X_TILE_COLS)), plgpu.SwizzleTransform(_SWIZZLE_BYTES)
-
-
 def _warpgroup_barrier():
     """Inline Mosaic GPU function (ctx): a barrier of the warpgroup's threads, no memory fence: the
     slot's tiles were only read (its codes by this thread's loads, its x tile by the finished wgmma)."""
@@ -385,7 +376,7 @@ def _program_scratch(blocks: MosaicBlocks, n_scale_cols: int, x_rows: int, out_s
     return [
         plgpu.SMEM((stages, ROWS, bk // 2), jnp.uint8),
         plgpu.SMEM((ROWS, n_scale_cols), jnp.uint8),
-        plgpu.SMEM((stages, x_rows, bk), _BF16, transforms=_x_tile_transforms()),
+        plgpu.SMEM((stages, x_rows, bk), _BF16, transforms=swizzled(bk)),  # x tiles (B): 8 x 64, 128-byte swizzle
         plgpu.SMEM(out_shape, out_dtype),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         plgpu.Barrier(num_arrivals=-(-n_scale_cols // _TMA_MAX_BOX), num_barriers=1),
