@@ -25,7 +25,9 @@ Each switch turns one change off (module attributes read while a step is traced)
 - h interleaved: ``pallas_kernels.mx_matmul.moe_split.PLANAR_H_MAX_TOKENS`` 0 (the two-kernel MoE's h stored
   [T*k, F] between its kernels at one token too, not planar);
 - conv kernel: ``k3jax.layers.kda.CONV_IN_MAPS`` False (at one row KDA's short convs and SiLU in a kernel of their
-  own after the input maps' matvec kernel, not in its epilogue).
+  own after the input maps' matvec kernel, not in its epilogue);
+- sorted MoE at decode: ``k3jax.layers.moe.TILED_MOE_SPARSE_BM`` None (below the prefill's density the routed
+  experts by the sorted dispatch or, up to 64 pairs, the fused kernels, not the tiled Mosaic GPU MoE).
 A candidate turns a form on that is not the default yet (``CANDIDATES``; none now).
 Variants: the default, each switch alone, each candidate alone, all the changes off, all the candidates on.
 Also prints each variant's first logits against the default's (with random bf16 weights the model amplifies
@@ -43,6 +45,7 @@ from flax import nnx
 
 import k3jax.inference as inference
 import k3jax.layers.kda as kda
+import k3jax.layers.moe as moe_layer
 import k3jax.model as model_module
 import pallas_kernels.mx_matmul as mx_matmul
 import pallas_kernels.mx_matmul.moe_split as moe_split
@@ -66,6 +69,7 @@ OFF = {  # a change's name -> (owner, attribute, value with the change off)
     "selection kernel": (MoE, "_routes_in_kernel", lambda self, tokens: False),
     "h interleaved": (moe_split, "PLANAR_H_MAX_TOKENS", 0),
     "conv kernel": (kda, "CONV_IN_MAPS", False),
+    "sorted MoE at decode": (moe_layer, "TILED_MOE_SPARSE_BM", None),
 }
 CANDIDATES = {}  # a candidate's name -> (owner, attribute, value with it on)
 SWITCHES = Switches(OFF, CANDIDATES)

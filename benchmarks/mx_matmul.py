@@ -71,11 +71,12 @@ from pallas_kernels.mx_matmul import (  # noqa: E402
     grouped_mx_matmul_reference,
     mx_matmul,
     mx_matmul_reference,
+    tiled_moe_mx,
 )
 from pallas_kernels.mx_matmul.kernel import decode_mxfp4_pallas  # noqa: E402
 from pallas_kernels.mx_matmul.moe import FUSED_MOE_BLOCKS, FUSED_MOE_DOWN_ROWS  # noqa: E402
 from pallas_kernels.mx_matmul.moe_split import SPLIT_MOE_BLOCKS, SPLIT_MOE_DOWN_BLOCKS_ONE_TOKEN  # noqa: E402
-from pallas_kernels.mx_matmul.ops import _kernel_weight_layout  # noqa: E402
+from pallas_kernels.mx_matmul.ops import _kernel_weight_layout, mosaic_gpu_runs  # noqa: E402
 
 ROWS: list[dict] = []
 
@@ -469,7 +470,11 @@ def bench_grouped(key, quick: bool, focus: bool) -> None:
         del w
 
 
-MOE_SHAPES = {"K3": ((896, 3072, 3584, 16), (1, 2, 4, 8)), "mini": ((64, 768, 1024, 8), (1, 8))}
+MOE_SHAPES = {"K3": ((896, 3072, 3584, 16), (1, 2, 4, 8, 16, 64)), "mini": ((64, 768, 1024, 8), (1, 8, 16, 64))}
+# The fused MoEs are timed up to this many tokens: at K3 never (run 4: slower than the sorted dispatch from one
+# token; the two-kernel MoE's unrolled Triton programs took 6.4 minutes to compile there, run 15)
+FUSED_MOE_MAX_TOKENS = {"K3": 0, "mini": 8}
+TILED_MOE_BM = (8, 16)  # pair rows per tile of the tiled Mosaic GPU MoE at decode
 # (hidden units, contracted elements, down-projection rows per atomic add, warps, stages) per program:
 # the fifth session's sweep at mini's shape (benchmarks/RESULTS.md), around today's default
 MOE_SWEEP = [(dataclasses.replace(FUSED_MOE_BLOCKS, bn=bn, bk=bk, num_warps=nw, num_stages=st), rows)
@@ -505,14 +510,19 @@ def bench_moe(key, quick: bool, sweep: bool, shapes: tuple[str, ...] = tuple(MOE
         matmul = lambda x, w, gs: grouped_mx_matmul(x, w, gs)
         split = lambda blocks, down: lambda x, wt, ex, *w: fused_moe_mx_split(x, *w, wt, ex, situ, blocks=blocks,
                                                                                down_blocks=down)
+        tiled = lambda bm: lambda x, wt, ex, *w: tiled_moe_mx(x, *w, wt, ex, situ, bm=bm)
         base = {"pallas sorted dispatch": lambda x, wt, ex, *w: moe_sorted(x, *w, wt, ex, situ, matmul=matmul),
                 "pallas fused MoE (default)": fused(FUSED_MOE_BLOCKS, FUSED_MOE_DOWN_ROWS),
                 "pallas two-kernel MoE (default)": split(SPLIT_MOE_BLOCKS, None)}
+        if mosaic_gpu_runs():
+            base |= {f"pallas tiled Mosaic GPU MoE bm {bm}": tiled(bm) for bm in TILED_MOE_BM}
         swept = {f"pallas fused MoE {label(b)} rows {rows}": fused(b, rows) for b, rows in MOE_SWEEP}
         swept |= {f"pallas 2k MoE h {b.bn}x{b.bk} w{b.num_warps} d {d.bn}x{d.bk} w{d.num_warps}": split(b, d)
                   for b, d in MOE_SPLIT_SWEEP}
         for tokens in token_counts[:2] if quick else token_counts:
             variants = {**base, **swept} if sweep and tokens == 1 else base  # the sweep: batch-1 decode only
+            if tokens > FUSED_MOE_MAX_TOKENS[name]:
+                variants = {impl: fn for impl, fn in variants.items() if "fused" not in impl and "two-kernel" not in impl}
             x = jax.random.normal(jax.random.fold_in(kx, tokens), (tokens, r), jnp.float32).astype(jnp.bfloat16)
             _, experts = jax.lax.top_k(jax.random.uniform(jax.random.fold_in(kr, tokens), (tokens, e)), top_k)
             weights = jnp.full((tokens, top_k), 1.0 / top_k, jnp.float32)

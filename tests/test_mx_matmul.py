@@ -427,6 +427,18 @@ def test_tiled_rows_layout():
     np.testing.assert_array_equal(np.asarray(tile_groups), [0, 2, 2, 2, 3, 4, 4] + [5] * 25)
 
 
+def test_tiled_rows_bound_with_fewer_rows_than_groups():
+    """Decode: 3 rows in 10 groups take ceil(3 / 8) + 3 = 4 tiles' bound (not 1 + 10), the two groups with
+    rows one tile each."""
+    from pallas_kernels.mx_matmul.mosaic_gpu_grouped import tiled_row_count, tiled_rows
+
+    sizes = jnp.array([0, 2, 0, 0, 1, 0, 0, 0, 0, 0], jnp.int32)
+    assert tiled_row_count(3, 10, 8) == 32
+    dest, tile_groups = tiled_rows(sizes, 3, 8)
+    np.testing.assert_array_equal(np.asarray(dest), [0, 1, 8])
+    np.testing.assert_array_equal(np.asarray(tile_groups), [1, 4] + [10] * 30)
+
+
 @pytest.mark.parametrize("bm,bk,stages,k", [(8, 128, 2, 160), (16, 256, 3, 544)])
 def test_grouped_mosaic_gpu_matches_reference(bm, bk, stages, k):
     """The grouped Mosaic GPU kernel in interpret mode: an empty group, rows past the groups (zero),
@@ -464,14 +476,16 @@ def test_grouped_mosaic_gpu_lowers_for_cuda_and_checks_arguments():
         grouped_mx_matmul_mosaic(x, codes, scales[:, :, :1], jnp.array([2, 2]))
 
 
-def test_tiled_moe_matches_references():
+@pytest.mark.parametrize("T", [13, 1])
+def test_tiled_moe_matches_references(T):
     """The routed experts by the grouped Mosaic GPU kernel in its tiled layout (interpret mode), 8-pair
     tiles: an expert with no pairs, one picked twice by a token, F = 96 and R = 160 not multiples of 64 and
-    of bk. Against the sorted dispatch with every product rounded to bf16 as the kernel's are (float32
-    products of the decoded weights), and against every expert on every token in float32."""
+    of bk; at one token (decode) fewer pairs than experts, so the layout's bound is set by the pairs.
+    Against the sorted dispatch with every product rounded to bf16 as the kernel's are (float32 products
+    of the decoded weights), and against every expert on every token in float32."""
     from pallas_kernels.mx_matmul.mosaic_gpu import MosaicBlocks
 
-    E, F, R, k, T = 6, 96, 160, 3, 13
+    E, F, R, k = 6, 96, 160, 3
     keys = jax.random.split(jax.random.key(70), 6)
     w1, w3, w2 = _expert_stacks(keys, E, F, R)
     x = bf16_normal(keys[3], (T, R)).astype(jnp.bfloat16)

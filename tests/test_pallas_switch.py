@@ -140,6 +140,29 @@ def test_moe_layer_tiled_for_prefill(monkeypatch):
     assert rel_err(pal, ref) < 1e-2
 
 
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_moe_layer_tiled_at_decode(monkeypatch, tokens):
+    """Where the Mosaic GPU kernels run (made to hold here; the kernels in interpret mode), a bf16 decode
+    step's routed experts go through ``tiled_moe_mx`` in tiles of ``TILED_MOE_SPARSE_BM`` pairs from 2 tokens
+    (``FUSED_MOE_MAX_TOKENS_BESIDE_TILED``), through the fused kernels at one, and match the reference path
+    within bf16 rounding."""
+    import k3jax.layers.moe as moe_layer
+    from pallas_kernels import mx_matmul
+
+    calls = []
+    tiled = mx_matmul.tiled_moe_mx
+    monkeypatch.setattr(moe_layer, "_mosaic_gpu_runs", lambda: True)
+    monkeypatch.setattr(mx_matmul, "tiled_moe_mx", lambda *a, **kw: calls.append(kw["bm"]) or tiled(*a, **kw))
+    cfg = preset("tiny")
+    layer = MoE(cfg.hidden_size, cfg.moe, activation("situ"), cfg.rms_norm_eps, rngs=nnx.Rngs(3), packed_experts=True,
+                param_dtype=jnp.bfloat16)
+    graph, params = nnx.split(layer)
+    x = jax.random.normal(jax.random.key(4), (tokens, 1, cfg.hidden_size)).astype(jnp.bfloat16)
+    ref, pal = both(lambda params, x: nnx.merge(graph, params)(x), params, x)
+    assert calls == ([] if tokens == 1 else [moe_layer.TILED_MOE_SPARSE_BM])
+    assert rel_err(pal, ref) < 1e-2
+
+
 def test_mla_layer_decode_one_row():
     """A batch-1 MLA prefill chunk (the flash-attention kernel) and decode step: the normed input's maps
     (q_a, kv_a, output gate) in one matvec kernel and q_a_layernorm + q_b_proj in another, against the

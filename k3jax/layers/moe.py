@@ -51,6 +51,15 @@ class Experts(nnx.Module):
 # than the sorted dispatch, and the whole 8K prefill 60.9 against 66.6 ms (benchmarks/RESULTS.md, issue 4, sixteenth
 # session). Sparser dispatch pads more of each expert's last tile and was not measured.
 TILED_MOE_MIN_PAIRS_PER_EXPERT = 256
+# Below that density (decode) the tiled MoE runs with tiles of this many pairs (wgmma's smallest N: at decode an
+# expert has one or a few pairs); None: the sorted dispatch there. On the H200 (benchmarks/RESULTS.md, MX run 15)
+# K3's routed layer (896 experts, top 16) took 137 against 251 us at 1 token and 3.9 against 7.0 ms at 64 (1.8-2.0x
+# at 1-64 tokens, 2.1-3.0 TB/s of MXFP4 weights), `mini`'s 58-85 against 86-131 us at 8-64 tokens; tiles of 16
+# were slower except at `mini`'s 64 tokens (81 against 85 us).
+TILED_MOE_SPARSE_BM = 8
+# Where the tiled MoE runs, the fused decode kernels (``_fused_decode``) only up to this many tokens: at `mini`'s
+# 8 tokens the tiled MoE took 58.0 us against 65.8 for the two-kernel MoE, at 1 token 40.7 against 14.6.
+FUSED_MOE_MAX_TOKENS_BESIDE_TILED = 1
 
 
 def _expert_matmul(x: Array, w: Array | MXTensor, group_sizes: Array) -> Array:
@@ -64,25 +73,39 @@ def _expert_matmul(x: Array, w: Array | MXTensor, group_sizes: Array) -> Array:
     return grouped_matmul(x, w, group_sizes)
 
 
-def _fused_decode(w: Array | MXTensor, tokens: int, k: int) -> bool:
+def _fused_decode(w: Array | MXTensor, x: Array, k: int) -> bool:
     """The Pallas path's fused MoE kernels for a few (token, expert) pairs (decode) on MXFP4 experts,
-    where they measured faster than the sorted dispatch (``fused_moe_pays``); Triton's, so not on a TPU."""
+    where they measured faster than the sorted dispatch (``fused_moe_pays``) and, where the tiled MoE
+    runs, up to ``FUSED_MOE_MAX_TOKENS_BESIDE_TILED`` tokens; Triton's, so not on a TPU."""
     if not isinstance(w, MXTensor) or not triton_kernels():
         return False
     from pallas_kernels.mx_matmul import fused_moe_pays
 
+    tokens = x.shape[0]
+    if tokens > FUSED_MOE_MAX_TOKENS_BESIDE_TILED and _tiled_bm(w, x, tokens * k) is not None:
+        return False
     return fused_moe_pays(tokens * k, k, w.shape[1])
 
 
-def _tiled_moe(w: Array | MXTensor, x: Array, pairs: int) -> bool:
-    """The Pallas path's tiled Mosaic GPU MoE for MXFP4 experts and bf16 x from ``TILED_MOE_MIN_PAIRS_PER_EXPERT``
-    pairs per expert: on a GPU where the Mosaic GPU kernels run, or in interpret mode on a CPU."""
-    minimum = TILED_MOE_MIN_PAIRS_PER_EXPERT
-    if minimum is None or not isinstance(w, MXTensor) or x.dtype != jnp.bfloat16 or pairs < minimum * w.shape[0]:
-        return False
+def _mosaic_gpu_runs() -> bool:
     from pallas_kernels.mx_matmul.ops import mosaic_gpu_runs
 
-    return get_implementation() == "pallas" and (mosaic_gpu_runs() or pallas_interpret())
+    return mosaic_gpu_runs()
+
+
+def _tiled_bm(w: Array | MXTensor, x: Array, pairs: int) -> int | None:
+    """Pairs per tile of the Pallas path's tiled Mosaic GPU MoE for MXFP4 experts and bf16 x, or None where
+    it does not run: from ``TILED_MOE_MIN_PAIRS_PER_EXPERT`` pairs per expert the grouped kernel's default
+    tile, on a GPU where the Mosaic GPU kernels run or in interpret mode on a CPU; below it
+    ``TILED_MOE_SPARSE_BM``, on such a GPU only (a decode step through the interpreter takes seconds)."""
+    if not isinstance(w, MXTensor) or x.dtype != jnp.bfloat16 or get_implementation() != "pallas":
+        return None
+    from pallas_kernels.mx_matmul.mosaic_gpu_grouped import DEFAULT_BM
+
+    minimum = TILED_MOE_MIN_PAIRS_PER_EXPERT
+    if minimum is not None and pairs >= minimum * w.shape[0] and (_mosaic_gpu_runs() or pallas_interpret()):
+        return DEFAULT_BM
+    return TILED_MOE_SPARSE_BM if _mosaic_gpu_runs() else None
 
 
 def _dense(w: Array | MXTensor, dtype) -> Array:
@@ -153,7 +176,7 @@ class MoE(nnx.Module):
         logits, z, shared = self._inputs(x.reshape(B * T, D), norm)
         w1, w3, w2 = (w.get_value() for w in (self.experts.w1, self.experts.w3, self.experts.w2))
         mesh = expert_mesh()
-        fused = mesh is None and self.dispatch == "sorted" and _fused_decode(w1, B * T, cfg.experts_per_token)
+        fused = mesh is None and self.dispatch == "sorted" and _fused_decode(w1, z, cfg.experts_per_token)
         # with a latent, the up projection's kernel rounds the fused MoE's float32 sums itself (``read_as``)
         fused_out = jnp.float32 if cfg.latent_size else None
         if fused and self._routes_in_kernel(B * T):
@@ -193,10 +216,12 @@ class MoE(nnx.Module):
             split = z.shape[0] >= mx_matmul.SPLIT_MIN_TOKENS
             kernels = mx_matmul.fused_moe_mx_split if split else mx_matmul.fused_moe_mx
             return kernels(z, w1, w3, w2, weights, experts, self.act, out_dtype=fused_out)
-        if self.dispatch == "sorted" and _tiled_moe(w1, z, experts.size):
+        bm = _tiled_bm(w1, z, experts.size) if self.dispatch == "sorted" else None
+        if bm is not None:
             from pallas_kernels import mx_matmul
 
-            return mx_matmul.tiled_moe_mx(z, w1, w3, w2, weights, experts, self.act, interpret=pallas_interpret())
+            return mx_matmul.tiled_moe_mx(z, w1, w3, w2, weights, experts, self.act, bm=bm,
+                                          interpret=pallas_interpret())
         if self.dispatch == "sorted":
             return moe_sorted(z, w1, w3, w2, weights, experts, self.act, matmul=_expert_matmul)
         w1, w3, w2 = (_dense(w, z.dtype) for w in (w1, w3, w2))

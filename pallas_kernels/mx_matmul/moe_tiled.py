@@ -12,7 +12,7 @@ tile boundary (``tiled_rows``), so no product needs a row mask and no copy sorts
 3. down by the grouped kernel, then each token gathers its k output rows from their slots and sums
    them weighted, in float32, in one fixed order (no scatter-add).
 
-The layout's static bound is ceil(T k / bm) + E tiles; tiles past the experts' are not computed and
+The layout's static bound is ceil(T k / bm) + min(E, T k) tiles; tiles past the experts' are not computed and
 never read. Measured on the H200 at ``mini``'s prefill chunk: benchmarks/RESULTS.md (MX run 13).
 """
 

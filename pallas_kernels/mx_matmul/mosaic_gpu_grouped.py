@@ -50,7 +50,7 @@ DEFAULT_BLOCKS = MosaicBlocks(bk=256, stages=2)
 def tiled_rows(group_sizes: Array, m: int, bm: int) -> tuple[Array, Array]:
     """group_sizes int32 [G] of M rows sorted by group -> (row of each sorted row in the tiled layout
     int32 [M] (T bm for rows past the groups), tile_groups int32 [T'], T' = T rounded up to 32,
-    T = ceil(M / bm) + G the tiles' static bound; tiles past the groups' get G)."""
+    T = ceil(M / bm) + min(G, M) the tiles' static bound (``tiled_row_count``); tiles past the groups' get G)."""
     sizes = group_sizes.astype(jnp.int32)
     n_groups = sizes.shape[0]
     n_tiles = tiled_row_count(m, n_groups, bm) // bm
@@ -121,8 +121,11 @@ def tiled_operand(x: Array, slots: Array, sources: Array, rows: int, bk: int) ->
 
 
 def tiled_row_count(m: int, n_groups: int, bm: int) -> int:
-    """Rows of the tiled layout of m rows in n_groups groups: its static bound of ceil(m / bm) + G tiles."""
-    return (-(-m // bm) + n_groups) * bm
+    """Rows of the tiled layout of m rows in n_groups groups: its static bound of ceil(m / bm) + min(G, m)
+    tiles. Group g takes ceil(size_g / bm) < size_g / bm + 1 tiles and at most min(G, m) groups have rows, so
+    the tiles number less than m / bm + min(G, m). At decode (m pairs, far fewer than G experts) the
+    bound is about 2 m tiles, not G: the empty tiles' programs still start and read their group."""
+    return (-(-m // bm) + min(n_groups, m)) * bm
 
 
 def _check_bm(bm: int) -> None:
