@@ -73,17 +73,16 @@ def _expert_matmul(x: Array, w: Array | MXTensor, group_sizes: Array) -> Array:
     return grouped_matmul(x, w, group_sizes)
 
 
-def _fused_decode(w: Array | MXTensor, x: Array, k: int) -> bool:
+def _fused_decode(w: Array | MXTensor, tokens: int, k: int, tiled: bool) -> bool:
     """The Pallas path's fused MoE kernels for a few (token, expert) pairs (decode) on MXFP4 experts,
     where they measured faster than the sorted dispatch (``fused_moe_pays``) and, where the tiled MoE
-    runs, up to ``FUSED_MOE_MAX_TOKENS_BESIDE_TILED`` tokens; Triton's, so not on a TPU."""
+    runs (``tiled``), up to ``FUSED_MOE_MAX_TOKENS_BESIDE_TILED`` tokens; Triton's, so not on a TPU."""
     if not isinstance(w, MXTensor) or not triton_kernels():
+        return False
+    if tiled and tokens > FUSED_MOE_MAX_TOKENS_BESIDE_TILED:
         return False
     from pallas_kernels.mx_matmul import fused_moe_pays
 
-    tokens = x.shape[0]
-    if tokens > FUSED_MOE_MAX_TOKENS_BESIDE_TILED and _tiled_bm(w, x, tokens * k) is not None:
-        return False
     return fused_moe_pays(tokens * k, k, w.shape[1])
 
 
@@ -102,10 +101,10 @@ def _tiled_bm(w: Array | MXTensor, x: Array, pairs: int) -> int | None:
         return None
     from pallas_kernels.mx_matmul.mosaic_gpu_grouped import DEFAULT_BM
 
-    minimum = TILED_MOE_MIN_PAIRS_PER_EXPERT
-    if minimum is not None and pairs >= minimum * w.shape[0] and (_mosaic_gpu_runs() or pallas_interpret()):
+    minimum, runs = TILED_MOE_MIN_PAIRS_PER_EXPERT, _mosaic_gpu_runs()
+    if minimum is not None and pairs >= minimum * w.shape[0] and (runs or pallas_interpret()):
         return DEFAULT_BM
-    return TILED_MOE_SPARSE_BM if _mosaic_gpu_runs() else None
+    return TILED_MOE_SPARSE_BM if runs else None
 
 
 def _dense(w: Array | MXTensor, dtype) -> Array:
@@ -176,7 +175,9 @@ class MoE(nnx.Module):
         logits, z, shared = self._inputs(x.reshape(B * T, D), norm)
         w1, w3, w2 = (w.get_value() for w in (self.experts.w1, self.experts.w3, self.experts.w2))
         mesh = expert_mesh()
-        fused = mesh is None and self.dispatch == "sorted" and _fused_decode(w1, z, cfg.experts_per_token)
+        sorted_dispatch = mesh is None and self.dispatch == "sorted"
+        bm = _tiled_bm(w1, z, B * T * cfg.experts_per_token) if sorted_dispatch else None
+        fused = sorted_dispatch and _fused_decode(w1, B * T, cfg.experts_per_token, tiled=bm is not None)
         # with a latent, the up projection's kernel rounds the fused MoE's float32 sums itself (``read_as``)
         fused_out = jnp.float32 if cfg.latent_size else None
         if fused and self._routes_in_kernel(B * T):
@@ -186,7 +187,7 @@ class MoE(nnx.Module):
                 z, w1, w3, w2, logits, self.gate.e_score_correction_bias[...], self.act, k=cfg.experts_per_token,
                 renormalize=cfg.renormalize, scaling_factor=cfg.routed_scaling_factor, out_dtype=fused_out)
         else:
-            y = self._routed(z, w1, w3, w2, *self._select(logits), mesh, fused, fused_out)
+            y = self._routed(z, w1, w3, w2, *self._select(logits), mesh, fused, fused_out, bm)
         add = [self.shared_experts.down(*shared)] if cfg.num_shared_experts else []
         add += [] if residual is None else [residual.reshape(B * T, D)]
         if cfg.latent_size:
@@ -204,9 +205,11 @@ class MoE(nnx.Module):
 
         return tokens == 1 and mx_matmul.SPLIT_MIN_TOKENS <= 1
 
-    def _routed(self, z: Array, w1, w3, w2, weights: Array, experts: Array, mesh, fused: bool, fused_out) -> Array:
+    def _routed(self, z: Array, w1, w3, w2, weights: Array, experts: Array, mesh, fused: bool, fused_out,
+                bm: int | None) -> Array:
         """The routed experts' sum for chosen (weights, experts): sharded over a mesh, the fused MoE
-        kernels, the sorted dispatch or every expert on every token."""
+        kernels, the tiled Mosaic GPU MoE in tiles of ``bm`` pairs (``_tiled_bm``), the sorted dispatch or
+        every expert on every token."""
         if mesh is not None:
             return moe_expert_parallel(z, w1, w3, w2, weights, experts, self.act, _expert_matmul, mesh)
         if fused:
@@ -216,7 +219,6 @@ class MoE(nnx.Module):
             split = z.shape[0] >= mx_matmul.SPLIT_MIN_TOKENS
             kernels = mx_matmul.fused_moe_mx_split if split else mx_matmul.fused_moe_mx
             return kernels(z, w1, w3, w2, weights, experts, self.act, out_dtype=fused_out)
-        bm = _tiled_bm(w1, z, experts.size) if self.dispatch == "sorted" else None
         if bm is not None:
             from pallas_kernels import mx_matmul
 
