@@ -501,6 +501,31 @@ def test_tiled_moe_matches_references(T):
         tiled_moe_mx(x.astype(jnp.float32), w1, w3, w2, weights, experts, situ, interpret=True)
 
 
+def test_tiled_moe_expert_parallel_shards():
+    """Expert parallelism's shards on the tiled MoE (interpret mode): each of 2 shards of 3 experts gets the
+    pairs of the other's experts as expert 3 (``local_pairs``), which must add nothing; the shards' sum
+    equals the whole MoE, and a shard holding none of a token's experts gives that token zeros."""
+    from k3jax.sharding import local_pairs
+    from pallas_kernels.mx_matmul.mosaic_gpu import MosaicBlocks
+
+    E, F, R, k, T = 6, 64, 96, 2, 5
+    keys = jax.random.split(jax.random.key(71), 6)
+    w1, w3, w2 = _expert_stacks(keys, E, F, R)
+    x = bf16_normal(keys[3], (T, R)).astype(jnp.bfloat16)
+    experts = jax.random.randint(keys[4], (T, k), 0, E).at[0].set(jnp.array([0, 1]))  # token 0: shard 0 only
+    weights = jax.random.uniform(keys[5], (T, k))
+    moe = jax.jit(lambda x, w1, w3, w2, weights, experts: tiled_moe_mx(
+        x, w1, w3, w2, weights, experts, situ, bm=8, blocks=MosaicBlocks(128, 2), interpret=True))
+    shard = lambda s, w: jax.tree.map(lambda a: a[3 * s:3 * s + 3], w)
+    parts = [moe(x, shard(s, w1), shard(s, w3), shard(s, w2), *local_pairs(weights, experts, 3 * s, 3))
+             for s in (0, 1)]
+    decoded = [w.decode(jnp.float32) for w in (w1, w3, w2)]
+    rounded = lambda xs, w, sizes: grouped_matmul(xs.astype(jnp.float32), w, sizes).astype(jnp.bfloat16)
+    want = moe_sorted(x, *decoded, weights, experts, situ, matmul=rounded)
+    assert bool(jnp.all(parts[1][0] == 0))
+    assert rel_err(parts[0].astype(jnp.float32) + parts[1].astype(jnp.float32), want) < 1e-2
+
+
 def test_tiled_moe_lowers_for_cuda():
     """The tiled MoE at mini's prefill chunk (2048 tokens, 8 of 64 experts) lowers for CUDA through Mosaic
     GPU; mismatched stacks raise."""

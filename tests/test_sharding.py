@@ -17,7 +17,7 @@ SCRIPT = textwrap.dedent(
 
     cfg = preset("tiny")
     assert len(jax.devices()) == 3
-    mesh = jax.make_mesh((3,), ("expert",))
+    mesh = jax.make_mesh((3,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,))
     for packed in (False, True):
         moe = MoE(cfg.hidden_size, cfg.moe, activation("situ"), cfg.rms_norm_eps, rngs=nnx.Rngs(1),
                   packed_experts=packed)

@@ -81,8 +81,9 @@ def moe_sorted(
     """Sorted dispatch: token copies sorted by expert, grouped matmuls, weighted scatter back.
 
     Same contract as ``moe_dense``; ``matmul(x_sorted, w, group_sizes)`` does the grouped products
-    (``jax.lax.ragged_dot`` by default; an MX kernel on the Pallas path). Experts that receive no
-    tokens are empty groups.
+    (``jax.lax.ragged_dot`` by default; an MX kernel on the Pallas path; rows past the groups must come
+    out zero). Experts that receive no tokens are empty groups; pairs whose expert is E or more sort past
+    the last group and add nothing (expert parallelism's pairs for other devices, ``k3jax.sharding``).
     """
     T, k = experts.shape
     E = w1.shape[0]

@@ -6,6 +6,7 @@ released checkpoint's per-expert tensors ``experts.<e>.w1.weight`` are rows of t
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import jax.numpy as jnp
@@ -175,9 +176,11 @@ class MoE(nnx.Module):
         logits, z, shared = self._inputs(x.reshape(B * T, D), norm)
         w1, w3, w2 = (w.get_value() for w in (self.experts.w1, self.experts.w3, self.experts.w2))
         mesh = expert_mesh()
-        sorted_dispatch = mesh is None and self.dispatch == "sorted"
+        sorted_dispatch = mesh is not None or self.dispatch == "sorted"  # a mesh always sorts
         bm = _tiled_bm(w1, z, B * T * cfg.experts_per_token) if sorted_dispatch else None
-        fused = sorted_dispatch and _fused_decode(w1, B * T, cfg.experts_per_token, tiled=bm is not None)
+        # the fused kernels index the whole stacks: not under a mesh
+        fused = mesh is None and sorted_dispatch and _fused_decode(w1, B * T, cfg.experts_per_token,
+                                                                   tiled=bm is not None)
         # with a latent, the up projection's kernel rounds the fused MoE's float32 sums itself (``read_as``)
         fused_out = jnp.float32 if cfg.latent_size else None
         if fused and self._routes_in_kernel(B * T):
@@ -207,11 +210,8 @@ class MoE(nnx.Module):
 
     def _routed(self, z: Array, w1, w3, w2, weights: Array, experts: Array, mesh, fused: bool, fused_out,
                 bm: int | None) -> Array:
-        """The routed experts' sum for chosen (weights, experts): sharded over a mesh, the fused MoE
-        kernels, the tiled Mosaic GPU MoE in tiles of ``bm`` pairs (``_tiled_bm``), the sorted dispatch or
-        every expert on every token."""
-        if mesh is not None:
-            return moe_expert_parallel(z, w1, w3, w2, weights, experts, self.act, _expert_matmul, mesh)
+        """The routed experts' sum for chosen (weights, experts): the fused MoE kernels, the sorted MoE
+        (``_sorted_moe``), sharded over a mesh or not, or every expert on every token."""
         if fused:
             from pallas_kernels import mx_matmul
 
@@ -219,15 +219,21 @@ class MoE(nnx.Module):
             split = z.shape[0] >= mx_matmul.SPLIT_MIN_TOKENS
             kernels = mx_matmul.fused_moe_mx_split if split else mx_matmul.fused_moe_mx
             return kernels(z, w1, w3, w2, weights, experts, self.act, out_dtype=fused_out)
+        if mesh is not None:
+            return moe_expert_parallel(z, w1, w3, w2, weights, experts, self._sorted_moe(bm), mesh)
+        if self.dispatch == "sorted":
+            return self._sorted_moe(bm)(z, w1, w3, w2, weights, experts)
+        w1, w3, w2 = (_dense(w, z.dtype) for w in (w1, w3, w2))
+        return moe_dense(z, w1, w3, w2, weights, experts, self.act)
+
+    def _sorted_moe(self, bm: int | None):
+        """The routed experts over token copies grouped by expert, ``moe_sorted``'s contract: the tiled
+        Mosaic GPU MoE in tiles of ``bm`` pairs (``_tiled_bm``), else the sorted dispatch."""
         if bm is not None:
             from pallas_kernels import mx_matmul
 
-            return mx_matmul.tiled_moe_mx(z, w1, w3, w2, weights, experts, self.act, bm=bm,
-                                          interpret=pallas_interpret())
-        if self.dispatch == "sorted":
-            return moe_sorted(z, w1, w3, w2, weights, experts, self.act, matmul=_expert_matmul)
-        w1, w3, w2 = (_dense(w, z.dtype) for w in (w1, w3, w2))
-        return moe_dense(z, w1, w3, w2, weights, experts, self.act)
+            return functools.partial(mx_matmul.tiled_moe_mx, act=self.act, bm=bm, interpret=pallas_interpret())
+        return functools.partial(moe_sorted, act=self.act, matmul=_expert_matmul)
 
 
 __all__ = ["MoE", "Router", "Experts", "Dispatch"]

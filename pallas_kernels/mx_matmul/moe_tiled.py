@@ -13,7 +13,8 @@ tile boundary (``tiled_rows``), so no product needs a row mask and no copy sorts
    them weighted, in float32, in one fixed order (no scatter-add).
 
 The layout's static bound is ceil(T k / bm) + min(E, T k) tiles; tiles past the experts' are not computed and
-never read. Measured on the H200 at ``mini``'s prefill chunk: benchmarks/RESULTS.md (MX run 13).
+never read. Pairs whose expert is outside [0, E) (under expert parallelism, those of another device's experts)
+take no slot and add nothing. Measured on the H200 at ``mini``'s prefill chunk: benchmarks/RESULTS.md (MX run 13).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ def tiled_moe_mx(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, weights: Ar
     """x bf16 [T, R] (the kernel's B operand is bf16), MXFP4 stacks w1, w3 [E, F, R] and w2 [E, R, F],
     weights float32 [T, k], experts int32 [T, k], act(gate, up) -> hidden. Returns sum over the k pairs of
     weight * expert(x), bf16 [T, R]; each expert's matmul outputs rounded to bf16 as ``moe_sorted``'s are.
+    Pairs whose expert is outside [0, E) add nothing (``moe_sorted``'s contract; ``k3jax.sharding``).
     bm: pairs per row tile; ``interpret``: run the kernels in Pallas' Mosaic GPU interpreter (CPU)."""
     _check_moe_operands(x, w1, w3, w2, weights, experts)
     if x.dtype != jnp.bfloat16:
@@ -63,7 +65,8 @@ def tiled_moe_mx(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, weights: Ar
         return out[:, :n]
 
     h = act(products(xt, w1, F), products(xt, w3, F))
-    y = products(x_operand(h, rows, blocks.bk), w2, R)[slot].reshape(T, k, R)
+    # a pair outside the experts has slot ``rows``, past the layout: the fill reads it as zeros
+    y = products(x_operand(h, rows, blocks.bk), w2, R).at[slot].get(mode="fill", fill_value=0).reshape(T, k, R)
     out = jnp.einsum("tj,tjr->tr", weights.astype(jnp.float32), y.astype(jnp.float32),
                      precision=jax.lax.Precision.HIGHEST)
     return out.astype(x.dtype)
