@@ -1,7 +1,10 @@
 """What the Pallas Triton kernels share: their compiler parameters, the widths Triton's dot takes (and the
-check of a tile's widths), and the online-softmax step of the flash-attention loops."""
+check of a tile's widths), the online-softmax step of the flash-attention loops, and the operand sizes
+whose offsets wrap (``offsets_wrap``)."""
 
 from __future__ import annotations
+
+import math
 
 import jax.numpy as jnp
 
@@ -30,6 +33,17 @@ def online_softmax_step(acc, m, l, s, values):
     correction = jnp.exp2(m - m_next)
     acc = acc * correction[:, None] + jnp.dot(p.astype(values.dtype), values, preferred_element_type=jnp.float32)
     return acc, m_next, l * correction + jnp.sum(p, axis=1)
+
+
+def offsets_wrap(*arrays) -> bool:
+    """Whether a Pallas Triton kernel would read or write one of these operands at wrong addresses. JAX's
+    Triton lowering (0.10.2 and 0.11.2, ``_compute_offsets_from_indices``) computes element offsets in 32
+    bits for arrays of up to 2**32 bytes, and a 32-bit offset is signed: from 2**31 bytes on it wraps
+    negative. Measured on the H200: the grouped MX kernel over 400 and 448 of K3's experts (w1 2.2 and
+    2.5 GB) gave relative errors of 0.15 and 0.41-0.55, over 384 (2.1 GB) and 896 (4.9 GB, 64-bit
+    offsets) the right products (benchmarks/RESULTS.md, twenty-sixth session). Callers take another path
+    for such operands (arrays or ``jax.ShapeDtypeStruct``)."""
+    return any(2**31 < math.prod(a.shape) * jnp.dtype(a.dtype).itemsize <= 2**32 for a in arrays)
 
 
 def triton_params(num_warps: int, num_stages: int, interpret: bool):

@@ -77,10 +77,13 @@ def _expert_matmul(x: Array, w: Array | MXTensor, group_sizes: Array) -> Array:
 def _fused_decode(w: Array | MXTensor, tokens: int, k: int, tiled: bool) -> bool:
     """The Pallas path's fused MoE kernels for a few (token, expert) pairs (decode) on MXFP4 experts,
     where they measured faster than the sorted dispatch (``fused_moe_pays``) and, where the tiled MoE
-    runs (``tiled``), up to ``FUSED_MOE_MAX_TOKENS_BESIDE_TILED`` tokens; Triton's, so not on a TPU."""
+    runs (``tiled``), up to ``FUSED_MOE_MAX_TOKENS_BESIDE_TILED`` tokens; Triton's, so not on a TPU, and not
+    for stacks whose offsets wrap in them (``offsets_wrap``)."""
     if not isinstance(w, MXTensor) or not triton_kernels():
         return False
-    if tiled and tokens > FUSED_MOE_MAX_TOKENS_BESIDE_TILED:
+    from pallas_kernels._triton import offsets_wrap
+
+    if (tiled and tokens > FUSED_MOE_MAX_TOKENS_BESIDE_TILED) or offsets_wrap(w.codes):
         return False
     from pallas_kernels.mx_matmul import fused_moe_pays
 

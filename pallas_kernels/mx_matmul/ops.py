@@ -35,6 +35,7 @@ from k3jax.implementation import jax_at_least, pallas_interpret
 from k3jax.mx import BLOCK, ZERO_BLOCK_SCALE_BYTE, MXTensor
 from k3jax.typing import Array
 from pallas_kernels._mosaic_gpu import interpret_argument
+from pallas_kernels._triton import offsets_wrap
 from pallas_kernels.mx_matmul.kernel import (
     SCALE_BLOCK_BYTES,
     MXBlocks,
@@ -247,6 +248,15 @@ def _work_items(group_sizes: Array, m: int, bm: int, n_items: int) -> Array:
     return jnp.stack([group, jnp.where(valid, tile, 0), lo, hi]).astype(jnp.int32)
 
 
+def _mosaic_grouped_blocks(m: int) -> MXBlocks:
+    """The grouped Mosaic GPU kernel's tiles for m rows: 8 rows a tile up to 1024 rows (decode; the tiled
+    MoE's 8-pair tiles in MX run 15), its default tile above."""
+    from pallas_kernels.mx_matmul.mosaic_gpu_grouped import DEFAULT_BLOCKS, DEFAULT_BM
+
+    return MXBlocks(bm=8 if m <= 1024 else DEFAULT_BM, bk=DEFAULT_BLOCKS.bk, num_stages=DEFAULT_BLOCKS.stages,
+                    mosaic_gpu=True)
+
+
 def _grouped_mosaic_gpu(x, w: MXTensor, group_sizes, blocks: MXBlocks, out_dtype, interpret: bool) -> Array:
     """The grouped Mosaic GPU kernel (``mosaic_gpu_grouped.py``, blocks.bm x rows per tile) on x decoded to
     bf16 (exact for MXFP8 x)."""
@@ -294,7 +304,9 @@ def grouped_mx_matmul(
     -> [M, N]; rows of group g multiply w[g]; rows past sum(group_sizes) are zero.
 
     x is bf16/f32 (W4A16) or an MXFP8 ``MXTensor`` (W4A8); out_dtype defaults to x's dtype (bf16
-    for MXFP8 x); accumulation is float32. lowering as in ``mx_matmul``.
+    for MXFP8 x); accumulation is float32. lowering as in ``mx_matmul``. Stacks whose offsets wrap in the
+    Triton kernel (``offsets_wrap``: 2**31 to 2**32 bytes of codes, such as 391 to 780 of K3's experts on
+    a device) take the Mosaic GPU kernel; where it does not run, a ValueError.
     """
     if _mosaic_tpu(lowering):
         from pallas_kernels.mx_matmul import tpu  # tpu.py imports this module
@@ -302,6 +314,11 @@ def grouped_mx_matmul(
         return tpu.grouped_mx_matmul(x, w, group_sizes, blocks=blocks, out_dtype=out_dtype, interpret=interpret)
     out_dtype, interpret = _resolve(x, out_dtype, interpret)
     blocks = blocks or default_blocks(x.shape[0], grouped=True)
+    if not (blocks.mosaic_gpu or interpret) and offsets_wrap(w.codes):
+        if not mosaic_gpu_runs():
+            raise ValueError(f"w: MXFP4 codes of {w.codes.nbytes} bytes, where the Triton kernel's offsets wrap "
+                             "(pallas_kernels._triton.offsets_wrap) and the Mosaic GPU kernel does not run here")
+        blocks = _mosaic_grouped_blocks(x.shape[0])
     return _grouped_mx_matmul(x, w, group_sizes, blocks=blocks, out_dtype=out_dtype, interpret=interpret)
 
 
