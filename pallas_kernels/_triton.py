@@ -38,12 +38,18 @@ def online_softmax_step(acc, m, l, s, values):
 def offsets_wrap(*arrays) -> bool:
     """Whether a Pallas Triton kernel would read or write one of these operands at wrong addresses. JAX's
     Triton lowering (0.10.2 and 0.11.2, ``_compute_offsets_from_indices``) computes element offsets in 32
-    bits for arrays of up to 2**32 bytes, and a 32-bit offset is signed: from 2**31 bytes on it wraps
-    negative. Measured on the H200: the grouped MX kernel over 400 and 448 of K3's experts (w1 2.2 and
-    2.5 GB) gave relative errors of 0.15 and 0.41-0.55, over 384 (2.1 GB) and 896 (4.9 GB, 64-bit
-    offsets) the right products (benchmarks/RESULTS.md, twenty-sixth session). Callers take another path
-    for such operands (arrays or ``jax.ShapeDtypeStruct``)."""
-    return any(2**31 < math.prod(a.shape) * jnp.dtype(a.dtype).itemsize <= 2**32 for a in arrays)
+    bits for arrays of up to 2**32 bytes, and a 32-bit offset is signed: past 2**31 elements it wraps
+    negative. Only arrays of 1-byte elements get there (MXFP4 codes and scales): 2**31 to 2**32 of them.
+    Measured on the H200: the grouped MX kernel over 400 and 448 of K3's experts (w1 codes of 2.2e9 and
+    2.5e9 bytes) gave relative errors of 0.15 and 0.41-0.55, over 384 (2.1e9) and 896 (4.9e9, 64-bit
+    offsets) the right products; K3's bf16 output head (1.2e9 elements) through the matvec kernel was right
+    (benchmarks/RESULTS.md, twenty-sixth session). Callers take another path for such operands (arrays or
+    ``jax.ShapeDtypeStruct``)."""
+    for a in arrays:
+        elements = math.prod(a.shape)
+        if 2**31 < elements and elements * jnp.dtype(a.dtype).itemsize <= 2**32:
+            return True
+    return False
 
 
 def triton_params(num_warps: int, num_stages: int, interpret: bool):

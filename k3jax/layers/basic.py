@@ -75,13 +75,8 @@ ADD_IN_KERNEL = True
 def _matvec_kernel_fits(rows: int, x_dtype, weights: Sequence[Array], dtypes: Sequence) -> bool:
     """The Pallas path, one row (a batch-1 decode step), off TPU, and operands the kernel reads
     exactly as the einsums would: each weight in the product's dtype (or the product in float32),
-    and x too unless every product has one dtype (the kernel then rounds x to it); no weight of a size
-    whose offsets wrap in Triton (``offsets_wrap``: K3's output head, 2.35 GB, takes XLA's product)."""
+    and x too unless every product has one dtype (the kernel then rounds x to it)."""
     if not triton_kernels():
-        return False
-    from pallas_kernels._triton import offsets_wrap
-
-    if offsets_wrap(*weights):
         return False
     exact = lambda dtype, dt: dtype == dt or dt == jnp.float32
     uniform = len({jnp.dtype(dt) for dt in dtypes}) == 1

@@ -81,10 +81,8 @@ class MLA(nnx.Module):
 
     def _write(self, c: Array, cache: MLACache, pos: Array) -> MLACache:
         """``_write_xla``, or for a decode step (T = 1) on the Pallas path off TPU one kernel
-        (``pallas_kernels.latent_cache``), for caches whose offsets do not wrap in it (``offsets_wrap``)."""
-        from pallas_kernels._triton import offsets_wrap
-
-        if c.shape[1] == 1 and triton_kernels() and not offsets_wrap(cache.c_kv, cache.k_pe):
+        (``pallas_kernels.latent_cache``)."""
+        if c.shape[1] == 1 and triton_kernels():
             from pallas_kernels.latent_cache import write_latents
 
             norm = self.kv_a_layernorm
@@ -123,7 +121,7 @@ class MLA(nnx.Module):
         cache = self._write(c, cache, pos)
         keys = MLACache(cache.c_kv[:, :window], cache.k_pe[:, :window])  # [:None] is everything
         q = self.queries(q_in)
-        if x.shape[1] > 1 and self._flash_kernel(keys.c_kv, keys.c_kv.dtype):  # the cache's dtype rounds the operands, as absorbed
+        if x.shape[1] > 1 and self._flash_kernel():  # the cache's dtype rounds the operands, as absorbed
             o = self._flash_attention(q, keys.c_kv, keys.k_pe, pos, keys.c_kv.dtype)
         else:
             visible = jnp.arange(keys.c_kv.shape[1])[None, None, :] <= pos[:, :, None]  # [B, T, S]
@@ -132,19 +130,13 @@ class MLA(nnx.Module):
                                    cfg.qk_head_dim**-0.5)
         return self.output(gate, o, x.dtype, residual), cache
 
-    def _flash_kernel(self, c_kv: Array, dtype) -> bool:
-        """Whether the expanded form attends by the flash-attention kernel (``pallas_kernels.prefill_attention``)
-        over latents c_kv [B, S, R] expanded in ``dtype``: on the Pallas path off TPU, with head widths the
-        kernel takes (any in interpret mode), for expanded keys and values whose offsets do not wrap in it
-        (``offsets_wrap``)."""
-        from pallas_kernels._triton import offsets_wrap
+    def _flash_kernel(self) -> bool:
+        """Whether the expanded form attends by the flash-attention kernel (``pallas_kernels.prefill_attention``):
+        on the Pallas path off TPU, with head widths the kernel takes (any in interpret mode)."""
         from pallas_kernels.prefill_attention import prefill_attention_runs
 
         cfg = self.cfg
-        B, S, _ = c_kv.shape
-        expanded = [jax.ShapeDtypeStruct((B, S, cfg.num_heads, width), dtype)
-                    for width in (cfg.qk_nope_head_dim, cfg.v_head_dim)]
-        return triton_kernels() and not offsets_wrap(*expanded) and (pallas_interpret() or prefill_attention_runs(
+        return triton_kernels() and (pallas_interpret() or prefill_attention_runs(
             cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim))
 
     def _flash_attention(self, q: Array, c_kv: Array, k_pe: Array, positions: Array, dtype) -> Array:
@@ -165,7 +157,7 @@ class MLA(nnx.Module):
         q_in, c, gate = self.inputs(x, norm)
         c_kv, k_pe = self.latent(c)
         q = self.queries(q_in)
-        if self._flash_kernel(c_kv, x.dtype):
+        if self._flash_kernel():
             B, T = x.shape[:2]
             o = self._flash_attention(q, c_kv, k_pe, jnp.broadcast_to(jnp.arange(T), (B, T)), x.dtype)
         else:
