@@ -166,8 +166,8 @@ def test_moe_layer_tiled_at_decode(monkeypatch, tokens, mesh):
     if mesh:
         # Auto axes: on an Explicit mesh (make_mesh's default) the Pallas interpreter of the matvec kernels
         # meets a sharding-type error (JAX 0.10.2)
-        mesh = jax.make_mesh((1,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,))
-        sharded, place = expert_parallel(mesh), expert_sharding(mesh, cfg.moe.num_experts)
+        experts_mesh = jax.make_mesh((1,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,))
+        sharded, place = expert_parallel(experts_mesh), expert_sharding(experts_mesh, cfg.moe.num_experts)
         for name in ("w1", "w2", "w3"):
             var = params["experts"][name]
             var.set_value(jax.tree.map(lambda a: jax.device_put(a, place), var.get_value()))

@@ -182,8 +182,8 @@ class MoE(nnx.Module):
         sorted_dispatch = mesh is not None or self.dispatch == "sorted"  # a mesh always sorts
         bm = _tiled_bm(w1, z, B * T * cfg.experts_per_token) if sorted_dispatch else None
         # the fused kernels index the whole stacks: not under a mesh
-        fused = mesh is None and sorted_dispatch and _fused_decode(w1, B * T, cfg.experts_per_token,
-                                                                   tiled=bm is not None)
+        fused = mesh is None and self.dispatch == "sorted" and _fused_decode(w1, B * T, cfg.experts_per_token,
+                                                                             tiled=bm is not None)
         # with a latent, the up projection's kernel rounds the fused MoE's float32 sums itself (``read_as``)
         fused_out = jnp.float32 if cfg.latent_size else None
         if fused and self._routes_in_kernel(B * T):
