@@ -26,7 +26,7 @@ Each switch turns one change off (module attributes read while a step is traced)
   [T*k, F] between its kernels at one token too, not planar);
 - conv kernel: ``k3jax.layers.kda.CONV_IN_MAPS`` False (at one row KDA's short convs and SiLU in a kernel of their
   own after the input maps' matvec kernel, not in its epilogue);
-- sorted MoE at decode: ``k3jax.layers.moe.TILED_MOE_SPARSE_BM`` None (below the prefill's density the routed
+- sorted MoE at decode: ``k3jax.layers.moe.TILED_MOE_AT_DECODE`` False (below the prefill's density the routed
   experts by the sorted dispatch or, up to 64 pairs, the fused kernels, not the tiled Mosaic GPU MoE).
 A candidate turns a form on that is not the default yet (``CANDIDATES``; none now).
 Variants: the default, each switch alone, each candidate alone, all the changes off, all the candidates on.
@@ -69,7 +69,7 @@ OFF = {  # a change's name -> (owner, attribute, value with the change off)
     "selection kernel": (MoE, "_routes_in_kernel", lambda self, tokens: False),
     "h interleaved": (moe_split, "PLANAR_H_MAX_TOKENS", 0),
     "conv kernel": (kda, "CONV_IN_MAPS", False),
-    "sorted MoE at decode": (moe_layer, "TILED_MOE_SPARSE_BM", None),
+    "sorted MoE at decode": (moe_layer, "TILED_MOE_AT_DECODE", False),
 }
 CANDIDATES = {}  # a candidate's name -> (owner, attribute, value with it on)
 SWITCHES = Switches(OFF, CANDIDATES)

@@ -11,7 +11,7 @@ Each switch turns one change off (module attributes read while a prefill chunk i
   by ``pallas_kernels.prefill_attention`` over keys expanded from the latents);
 - concatenated short convs: KDA's short convs as one conv over q, k and v side by side, split after
   (the form before the thirteenth session), not one conv per input;
-- sorted MoE dispatch: ``k3jax.layers.moe.TILED_MOE_MIN_PAIRS_PER_EXPERT`` None (the routed experts of
+- sorted MoE dispatch: ``k3jax.layers.moe.TILED_MOE_AT_PREFILL`` False (the routed experts of
   `mini`'s 2048-token chunks by the sorted dispatch on the Triton grouped kernel, not by
   ``pallas_kernels.mx_matmul.tiled_moe_mx``, the grouped Mosaic GPU kernel in its tiled layout).
 A candidate turns a form on that is not the default yet (``CANDIDATES``; none at present).
@@ -46,7 +46,7 @@ def _concatenated_short_convs(xs, taps, state, lengths):
 OFF = {  # a change's name -> (owner, attribute, value with the change off)
     "absorbed MLA prefill": (MLA, "_flash_kernel", lambda self: False),
     "concatenated short convs": (kda, "_short_convs_xla", _concatenated_short_convs),
-    "sorted MoE dispatch": (moe, "TILED_MOE_MIN_PAIRS_PER_EXPERT", None),
+    "sorted MoE dispatch": (moe, "TILED_MOE_AT_PREFILL", False),
 }
 CANDIDATES: dict = {}  # a candidate's name -> (owner, attribute, value with it on)
 SWITCHES = Switches(OFF, CANDIDATES)

@@ -52,6 +52,15 @@ def offsets_wrap(*arrays) -> bool:
     return False
 
 
+def check_offsets(remedy: str, **operands) -> None:
+    """A ValueError naming the first operand whose offsets would wrap in a Pallas Triton kernel
+    (``offsets_wrap``), with ``remedy``: what the caller can do instead."""
+    for name, a in operands.items():
+        if offsets_wrap(a):
+            raise ValueError(f"{name}: {math.prod(a.shape)} one-byte elements, where a Pallas Triton kernel's 32-bit "
+                             f"offsets wrap (pallas_kernels._triton.offsets_wrap); {remedy}")
+
+
 def triton_params(num_warps: int, num_stages: int, interpret: bool):
     """Pallas' Triton compiler parameters, None in interpret mode. On JAX 0.10 and 0.11 they also select
     Pallas' Triton lowering for a GPU kernel."""

@@ -120,15 +120,15 @@ def test_moe_layer_with_packed_experts(tokens):
 
 
 def test_moe_layer_tiled_for_prefill(monkeypatch):
-    """With the threshold lowered to 1 pair per expert (default 256) a bf16 layer takes its routed experts
+    """With the kernel's density threshold lowered to 1 pair per expert (default 256) a bf16 layer takes its routed experts
     through ``tiled_moe_mx`` (the grouped Mosaic GPU kernel, interpret mode) and matches the reference path
     within bf16 rounding."""
-    import k3jax.layers.moe as moe_layer
     from pallas_kernels import mx_matmul
+    from pallas_kernels.mx_matmul import mosaic_gpu_grouped
 
     calls = []
     tiled = mx_matmul.tiled_moe_mx
-    monkeypatch.setattr(moe_layer, "TILED_MOE_MIN_PAIRS_PER_EXPERT", 1)
+    monkeypatch.setattr(mosaic_gpu_grouped, "DENSE_ROWS_PER_GROUP", 1)
     monkeypatch.setattr(mx_matmul, "tiled_moe_mx", lambda *a, **kw: calls.append(1) or tiled(*a, **kw))
     cfg = preset("tiny")
     layer = MoE(cfg.hidden_size, cfg.moe, activation("situ"), cfg.rms_norm_eps, rngs=nnx.Rngs(3), packed_experts=True,
@@ -143,7 +143,7 @@ def test_moe_layer_tiled_for_prefill(monkeypatch):
 @pytest.mark.parametrize("tokens, mesh", [(1, False), (3, False), (1, True)])
 def test_moe_layer_tiled_at_decode(monkeypatch, tokens, mesh):
     """Where the Mosaic GPU kernels run (made to hold here; the kernels in interpret mode), a bf16 decode
-    step's routed experts go through ``tiled_moe_mx`` in tiles of ``TILED_MOE_SPARSE_BM`` pairs from 2 tokens
+    step's routed experts go through ``tiled_moe_mx`` in tiles of ``SPARSE_BM`` pairs from 2 tokens
     (``FUSED_MOE_MAX_TOKENS_BESIDE_TILED``), through the fused kernels at one, and under an expert mesh (one
     device here; 3 in test_sharding.py) through the tiled MoE at one token too; all match the reference path
     within bf16 rounding."""
@@ -152,6 +152,7 @@ def test_moe_layer_tiled_at_decode(monkeypatch, tokens, mesh):
     import k3jax.layers.moe as moe_layer
     from k3jax.sharding import expert_parallel, expert_sharding
     from pallas_kernels import mx_matmul
+    from pallas_kernels.mx_matmul.mosaic_gpu_grouped import SPARSE_BM
 
     calls = []
     tiled = mx_matmul.tiled_moe_mx
@@ -173,7 +174,7 @@ def test_moe_layer_tiled_at_decode(monkeypatch, tokens, mesh):
             var.set_value(jax.tree.map(lambda a: jax.device_put(a, place), var.get_value()))
     with sharded:
         ref, pal = both(lambda params, x: nnx.merge(graph, params)(x), params, x)
-    assert calls == ([] if tokens == 1 and not mesh else [moe_layer.TILED_MOE_SPARSE_BM])
+    assert calls == ([] if tokens == 1 and not mesh else [SPARSE_BM])
     assert rel_err(pal, ref) < 1e-2
 
 

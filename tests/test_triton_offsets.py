@@ -63,3 +63,47 @@ def test_fused_decode_moe_not_for_wrapping_stacks():
     with use_implementation("pallas"):
         assert _fused_decode(stack(4096), 1, 8, tiled=False)
         assert not _fused_decode(stack(6000), 1, 8, tiled=False)
+
+
+def _k3_stacks(experts: int):
+    """w1, w3 [E, 3072, 3584] and w2 [E, 3584, 3072]: K3's routed experts, E of them on a device."""
+    up = MXTensor(shape(experts, 3072, 1792), shape(experts, 3072, 112), "mxfp4")
+    down = MXTensor(shape(experts, 3584, 1536), shape(experts, 3584, 96), "mxfp4")
+    return up, up, down
+
+
+def test_fused_moe_entries_raise_for_wrapping_stacks():
+    """Called directly, the fused MoE kernels refuse stacks whose offsets wrap (448 of K3's experts), naming the
+    operand."""
+    from pallas_kernels.mx_matmul import fused_moe_mx, fused_moe_mx_split, routed_moe_mx_split
+
+    x, pairs = shape(1, 3584, dtype=BF16), shape(1, 16, dtype=jnp.int32)
+    act = lambda g, u: g * u
+    calls = {
+        "fused_moe_mx": lambda *w: fused_moe_mx(x, *w, shape(1, 16, dtype=jnp.float32), pairs, act, interpret=False),
+        "fused_moe_mx_split": lambda *w: fused_moe_mx_split(x, *w, shape(1, 16, dtype=jnp.float32), pairs, act,
+                                                            interpret=False),
+        "routed_moe_mx_split": lambda *w: routed_moe_mx_split(
+            x, *w, shape(1, w[0].shape[0], dtype=jnp.float32), shape(w[0].shape[0], dtype=jnp.float32), act, k=16,
+            renormalize=True, scaling_factor=1.0, interpret=False),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=r"w1\.codes: 2466250752 one-byte elements.* offsets wrap"):
+            call(*_k3_stacks(448))
+
+
+@pytest.mark.parametrize("rows", [1, 32])
+def test_dense_mx_matmul_raises_for_wrapping_weights(rows, monkeypatch):
+    """A dense MXFP4 weight of 2**20 x 4608 (2.4e9 code bytes) on the Triton kernels: a ValueError naming it
+    (at one row where the Mosaic GPU kernel does not run)."""
+    monkeypatch.setattr(ops, "mosaic_gpu_runs", lambda: False)
+    w = MXTensor(shape(2**20, 2304), shape(2**20, 144), "mxfp4")
+    with pytest.raises(ValueError, match=r"w\.codes: 2415919104 one-byte elements"):
+        ops.mx_matmul(shape(rows, 4608, dtype=BF16), w, interpret=False)
+
+
+@pytest.mark.parametrize("rows, groups, bm", [(32, 448, 8), (4096, 448, 8), (16384, 64, 64), (16383, 64, 8)])
+def test_wrapping_stack_tiles_follow_the_density_rule(rows, groups, bm):
+    """The fallback tiles as the tiled MoE does (``default_bm``): 4096 pairs over 448 experts took 3.1 ms in
+    8-row tiles against 9.6 in 64-row ones (MX run 16); `mini`'s prefill chunk (16384 over 64) 64-row tiles."""
+    assert ops._mosaic_grouped_blocks(rows, groups).bm == bm

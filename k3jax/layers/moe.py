@@ -46,18 +46,17 @@ class Experts(nnx.Module):
         self.w2 = weight((num, width, hidden), hidden)
 
 
-# From this many (token, expert) pairs per routed expert on average, the Pallas path on a GPU takes the routed
-# experts through the grouped Mosaic GPU kernel in its tiled layout (``pallas_kernels.mx_matmul.tiled_moe_mx``);
-# None: never. 256 is `mini`'s 2048-token prefill chunk (8 of 64 experts): there the MoE alone measured 20% faster
-# than the sorted dispatch, and the whole 8K prefill 60.9 against 66.6 ms (benchmarks/RESULTS.md, issue 4, sixteenth
-# session). Sparser dispatch pads more of each expert's last tile and was not measured.
-TILED_MOE_MIN_PAIRS_PER_EXPERT = 256
-# Below that density (decode) the tiled MoE runs with tiles of this many pairs (wgmma's smallest N: at decode an
-# expert has one or a few pairs); None: the sorted dispatch there. On the H200 (benchmarks/RESULTS.md, MX run 15)
-# K3's routed layer (896 experts, top 16) took 137 against 251 us at 1 token and 3.9 against 7.0 ms at 64 (1.8-2.0x
-# at 1-64 tokens, 2.1-3.0 TB/s of MXFP4 weights), `mini`'s 58-85 against 86-131 us at 8-64 tokens; tiles of 16
-# were slower except at `mini`'s 64 tokens (81 against 85 us).
-TILED_MOE_SPARSE_BM = 8
+# The Pallas path takes the routed experts of MXFP4 layers through the grouped Mosaic GPU kernel in its tiled layout
+# (``pallas_kernels.mx_matmul.tiled_moe_mx``), in tiles by the kernel's own density rule
+# (``mosaic_gpu_grouped.default_bm``); False: the sorted dispatch there.
+# Dense (prefill, from ``DENSE_ROWS_PER_GROUP`` pairs per expert): at `mini`'s 2048-token chunk the MoE alone measured
+# 20% faster than the sorted dispatch and the whole 8K prefill 60.9 against 66.6 ms (benchmarks/RESULTS.md, issue 4,
+# sixteenth session).
+TILED_MOE_AT_PREFILL = True
+# Sparse (decode), on a GPU only: on the H200 (MX run 15) K3's routed layer (896 experts, top 16) took 137 against
+# 251 us at 1 token and 3.9 against 7.0 ms at 64 (1.8-2.0x at 1-64 tokens, 2.1-3.0 TB/s of MXFP4 weights), `mini`'s
+# 58-85 against 86-131 us at 8-64 tokens; tiles of 16 were slower except at `mini`'s 64 tokens (81 against 85 us).
+TILED_MOE_AT_DECODE = True
 # Where the tiled MoE runs, the fused decode kernels (``_fused_decode``) only up to this many tokens: at `mini`'s
 # 8 tokens the tiled MoE took 58.0 us against 65.8 for the two-kernel MoE, at 1 token 40.7 against 14.6.
 FUSED_MOE_MAX_TOKENS_BESIDE_TILED = 1
@@ -97,18 +96,18 @@ def _mosaic_gpu_runs() -> bool:
 
 
 def _tiled_bm(w: Array | MXTensor, x: Array, pairs: int) -> int | None:
-    """Pairs per tile of the Pallas path's tiled Mosaic GPU MoE for MXFP4 experts and bf16 x, or None where
-    it does not run: from ``TILED_MOE_MIN_PAIRS_PER_EXPERT`` pairs per expert the grouped kernel's default
-    tile, on a GPU where the Mosaic GPU kernels run or in interpret mode on a CPU; below it
-    ``TILED_MOE_SPARSE_BM``, on such a GPU only (a decode step through the interpreter takes seconds)."""
+    """Pairs per tile of the Pallas path's tiled Mosaic GPU MoE for MXFP4 experts and bf16 x
+    (``default_bm``), or None where it does not run: at the dense tile (``TILED_MOE_AT_PREFILL``) on a GPU
+    where the Mosaic GPU kernels run or in interpret mode on a CPU, at the sparse one (``TILED_MOE_AT_DECODE``)
+    on such a GPU only (a decode step through the interpreter takes seconds)."""
     if not isinstance(w, MXTensor) or x.dtype != jnp.bfloat16 or get_implementation() != "pallas":
         return None
-    from pallas_kernels.mx_matmul.mosaic_gpu_grouped import DEFAULT_BM
+    from pallas_kernels.mx_matmul.mosaic_gpu_grouped import SPARSE_BM, default_bm
 
-    minimum, runs = TILED_MOE_MIN_PAIRS_PER_EXPERT, _mosaic_gpu_runs()
-    if minimum is not None and pairs >= minimum * w.shape[0] and (runs or pallas_interpret()):
-        return DEFAULT_BM
-    return TILED_MOE_SPARSE_BM if runs else None
+    bm, runs = default_bm(pairs, w.shape[0]), _mosaic_gpu_runs()
+    if bm == SPARSE_BM:
+        return bm if TILED_MOE_AT_DECODE and runs else None
+    return bm if TILED_MOE_AT_PREFILL and (runs or pallas_interpret()) else None
 
 
 def _dense(w: Array | MXTensor, dtype) -> Array:

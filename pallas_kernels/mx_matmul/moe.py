@@ -34,7 +34,7 @@ from jax.experimental.pallas import triton as pltriton
 from k3jax.implementation import pallas_interpret
 from k3jax.mx import BLOCK, MXTensor
 from k3jax.typing import Array
-from pallas_kernels._triton import triton_params
+from pallas_kernels._triton import check_offsets, triton_params
 from pallas_kernels.mx_matmul.kernel import SCALE_BLOCK_BYTES, MXBlocks, decode_weight_planes
 from pallas_kernels.mx_matmul.ops import _largest_pow2_divisor
 
@@ -157,6 +157,15 @@ def _check_moe_operands(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, weig
         raise ValueError(f"F = {F} and R = {R} must be multiples of {BLOCK}")
 
 
+def _check_stack_offsets(w1: MXTensor, w3: MXTensor, w2: MXTensor, interpret: bool) -> None:
+    """The fused MoE kernels index the whole stacks in Triton: a ValueError where those offsets wrap
+    (``offsets_wrap``; the interpreter computes them right)."""
+    if not interpret:
+        stacks = {f"{name}.{part}": getattr(w, part) for name, w in (("w1", w1), ("w3", w3), ("w2", w2))
+                  for part in ("codes", "scales")}
+        check_offsets("tiled_moe_mx and the sorted dispatch (grouped_mx_matmul) take such stacks", **stacks)
+
+
 def fused_moe_mx(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, weights: Array, experts: Array, act, *,
                  blocks: MXBlocks = FUSED_MOE_BLOCKS, down_rows: int = FUSED_MOE_DOWN_ROWS, out_dtype=None,
                  interpret: bool | None = None) -> Array:
@@ -172,6 +181,7 @@ def fused_moe_mx(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, weights: Ar
     bk = BLOCK * _largest_pow2_divisor(R // BLOCK, max(blocks.bk // BLOCK, 1))
     br = BLOCK * _largest_pow2_divisor(R // BLOCK, max(down_rows // BLOCK, 1))
     interpret = pallas_interpret() if interpret is None else interpret
+    _check_stack_offsets(w1, w3, w2, interpret)
     return _fused_moe_mx(x, w1, w3, w2, weights, experts, act=act, blocks=dataclasses.replace(blocks, bk=bk),
                          bf=bf, br=br, out_dtype=jnp.dtype(x.dtype if out_dtype is None else out_dtype),
                          interpret=interpret)

@@ -41,7 +41,7 @@ from k3jax.mx import BLOCK, MXTensor
 from k3jax.typing import Array
 from pallas_kernels._triton import triton_params
 from pallas_kernels.mx_matmul.kernel import MXBlocks, decode_weight_planes
-from pallas_kernels.mx_matmul.moe import _check_moe_operands, _stack_views
+from pallas_kernels.mx_matmul.moe import _check_moe_operands, _check_stack_offsets, _stack_views
 from pallas_kernels.mx_matmul.ops import _largest_pow2_divisor
 from pallas_kernels.route import check_router_inputs, expert_ranks, padded_router_inputs, slot_expert, slot_weight
 
@@ -270,6 +270,7 @@ def fused_moe_mx_split(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, weigh
     _check_moe_operands(x, w1, w3, w2, weights, experts)
     blocks, down_blocks, planar = _fit(w1, x.shape[0], blocks, down_blocks)
     interpret = pallas_interpret() if interpret is None else interpret
+    _check_stack_offsets(w1, w3, w2, interpret)
     return _fused_moe_mx_split(x, w1, w3, w2, weights, experts, act=act, blocks=blocks, down_blocks=down_blocks,
                                out_dtype=jnp.dtype(x.dtype if out_dtype is None else out_dtype), planar=planar,
                                interpret=interpret)
@@ -292,6 +293,7 @@ def routed_moe_mx_split(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, logi
     _check_moe_operands(x, w1, w3, w2, pairs, pairs)
     blocks, down_blocks, planar = _fit(w1, T, blocks, down_blocks)
     interpret = pallas_interpret() if interpret is None else interpret
+    _check_stack_offsets(w1, w3, w2, interpret)
     return _routed_moe_mx_split(x, w1, w3, w2, logits, correction_bias, act=act, k=k, renormalize=renormalize,
                                 scaling=float(scaling_factor), blocks=blocks, down_blocks=down_blocks,
                                 out_dtype=jnp.dtype(x.dtype if out_dtype is None else out_dtype), planar=planar,

@@ -45,6 +45,18 @@ _GROUPS_PER_COPY = 32  # tile groups (int32) per copy: 128 bytes, a multiple of 
 # at `mini`'s prefill chunk (benchmarks/RESULTS.md, MX run 13)
 DEFAULT_BM = 64
 DEFAULT_BLOCKS = MosaicBlocks(bk=256, stages=2)
+# Below this many rows a group on average, tiles of SPARSE_BM rows (wgmma's smallest N). 256 is `mini`'s 2048-token
+# prefill chunk (8 of 64 experts), where DEFAULT_BM tiles measured 20% faster than the sorted dispatch (MX run 13).
+# At decode a group has one or a few rows: K3's routed layer took 137 us at 1 token in 8-row tiles (MX run 15), and
+# 4096 rows over 448 experts 3.1 ms in 8-row tiles against 9.6 ms in 64-row ones (MX run 16).
+DENSE_ROWS_PER_GROUP = 256
+SPARSE_BM = 8
+
+
+def default_bm(rows: int, groups: int) -> int:
+    """x rows per tile for ``rows`` rows over ``groups`` groups: ``DEFAULT_BM`` from ``DENSE_ROWS_PER_GROUP``
+    rows a group on average, else ``SPARSE_BM``."""
+    return DEFAULT_BM if rows >= DENSE_ROWS_PER_GROUP * groups else SPARSE_BM
 
 
 def tiled_rows(group_sizes: Array, m: int, bm: int) -> tuple[Array, Array]:
@@ -160,5 +172,5 @@ def tiled_mx_matmul(x_tiled: Array, codes: Array, scales: Array, tile_groups: Ar
     )(tile_groups, codes, scales, x_tiled)
 
 
-__all__ = ["DEFAULT_BLOCKS", "DEFAULT_BM", "grouped_mx_matmul_mosaic", "tiled_mx_matmul", "tiled_operand",
+__all__ = ["DEFAULT_BLOCKS", "DEFAULT_BM", "DENSE_ROWS_PER_GROUP", "SPARSE_BM", "default_bm", "grouped_mx_matmul_mosaic", "tiled_mx_matmul", "tiled_operand",
            "tiled_row_count", "tiled_rows"]

@@ -35,7 +35,7 @@ from k3jax.implementation import jax_at_least, pallas_interpret
 from k3jax.mx import BLOCK, ZERO_BLOCK_SCALE_BYTE, MXTensor
 from k3jax.typing import Array
 from pallas_kernels._mosaic_gpu import interpret_argument
-from pallas_kernels._triton import offsets_wrap
+from pallas_kernels._triton import check_offsets, offsets_wrap
 from pallas_kernels.mx_matmul.kernel import (
     SCALE_BLOCK_BYTES,
     MXBlocks,
@@ -186,6 +186,14 @@ def _mosaic_gpu(x, w: MXTensor, blocks: MXBlocks, out_dtype, interpret: bool) ->
                                        interpret=interpret_argument(interpret))
 
 
+def _mx_operands(x: Array | MXTensor, w: MXTensor) -> dict:
+    """The one-byte arrays a Triton MX kernel indexes, by name (``check_offsets``)."""
+    named = {"w.codes": w.codes, "w.scales": w.scales}
+    if isinstance(x, MXTensor):
+        named |= {"x.codes": x.codes, "x.scales": x.scales}
+    return named
+
+
 @functools.partial(jax.jit, static_argnames=("blocks", "out_dtype", "interpret"))
 def _mx_matmul(x, w, *, blocks, out_dtype, interpret):
     m, n, k = _check(x, w, 2)
@@ -214,7 +222,8 @@ def mx_matmul(
 
     blocks defaults to ``default_blocks(M)``, which also picks the method (module docstring).
     out_dtype defaults to x's dtype (bf16 for MXFP8 x); accumulation is float32. lowering: "auto",
-    "triton" or "mosaic_tpu" (module docstring).
+    "triton" or "mosaic_tpu" (module docstring). Operands whose offsets wrap in the Triton kernels
+    (``offsets_wrap``: 2**31 to 2**32 one-byte elements) raise a ValueError outside the Mosaic GPU kernel.
     """
     if _mosaic_tpu(lowering):
         from pallas_kernels.mx_matmul import tpu  # tpu.py imports this module
@@ -222,6 +231,9 @@ def mx_matmul(
         return tpu.mx_matmul(x, w, blocks=blocks, out_dtype=out_dtype, interpret=interpret)
     out_dtype, interpret = _resolve(x, out_dtype, interpret)
     blocks = blocks or default_blocks(x.shape[0])
+    if not (blocks.mosaic_gpu or interpret):
+        check_offsets("the Mosaic GPU kernel (MXBlocks(mosaic_gpu=True), up to 64 rows of x) takes them, or "
+                      "products over slices of the rows", **_mx_operands(x, w))
     return _mx_matmul(x, w, blocks=blocks, out_dtype=out_dtype, interpret=interpret)
 
 
@@ -248,13 +260,12 @@ def _work_items(group_sizes: Array, m: int, bm: int, n_items: int) -> Array:
     return jnp.stack([group, jnp.where(valid, tile, 0), lo, hi]).astype(jnp.int32)
 
 
-def _mosaic_grouped_blocks(m: int) -> MXBlocks:
-    """The grouped Mosaic GPU kernel's tiles for m rows: 8 rows a tile up to 1024 rows (decode; the tiled
-    MoE's 8-pair tiles in MX run 15), its default tile above."""
-    from pallas_kernels.mx_matmul.mosaic_gpu_grouped import DEFAULT_BLOCKS, DEFAULT_BM
+def _mosaic_grouped_blocks(m: int, groups: int) -> MXBlocks:
+    """The grouped Mosaic GPU kernel's tiles for m rows over ``groups`` groups (``default_bm``, as the tiled
+    MoE's)."""
+    from pallas_kernels.mx_matmul.mosaic_gpu_grouped import DEFAULT_BLOCKS, default_bm
 
-    return MXBlocks(bm=8 if m <= 1024 else DEFAULT_BM, bk=DEFAULT_BLOCKS.bk, num_stages=DEFAULT_BLOCKS.stages,
-                    mosaic_gpu=True)
+    return MXBlocks(bm=default_bm(m, groups), bk=DEFAULT_BLOCKS.bk, num_stages=DEFAULT_BLOCKS.stages, mosaic_gpu=True)
 
 
 def _grouped_mosaic_gpu(x, w: MXTensor, group_sizes, blocks: MXBlocks, out_dtype, interpret: bool) -> Array:
@@ -306,7 +317,7 @@ def grouped_mx_matmul(
     x is bf16/f32 (W4A16) or an MXFP8 ``MXTensor`` (W4A8); out_dtype defaults to x's dtype (bf16
     for MXFP8 x); accumulation is float32. lowering as in ``mx_matmul``. Stacks whose offsets wrap in the
     Triton kernel (``offsets_wrap``: 2**31 to 2**32 bytes of codes, such as 391 to 780 of K3's experts on
-    a device) take the Mosaic GPU kernel; where it does not run, a ValueError.
+    a device) take the grouped Mosaic GPU kernel; where it does not run, a ValueError.
     """
     if _mosaic_tpu(lowering):
         from pallas_kernels.mx_matmul import tpu  # tpu.py imports this module
@@ -314,11 +325,10 @@ def grouped_mx_matmul(
         return tpu.grouped_mx_matmul(x, w, group_sizes, blocks=blocks, out_dtype=out_dtype, interpret=interpret)
     out_dtype, interpret = _resolve(x, out_dtype, interpret)
     blocks = blocks or default_blocks(x.shape[0], grouped=True)
-    if not (blocks.mosaic_gpu or interpret) and offsets_wrap(w.codes):
+    if not (blocks.mosaic_gpu or interpret) and offsets_wrap(*_mx_operands(x, w).values()):
         if not mosaic_gpu_runs():
-            raise ValueError(f"w: MXFP4 codes of {w.codes.nbytes} bytes, where the Triton kernel's offsets wrap "
-                             "(pallas_kernels._triton.offsets_wrap) and the Mosaic GPU kernel does not run here")
-        blocks = _mosaic_grouped_blocks(x.shape[0])
+            check_offsets("the grouped Mosaic GPU kernel, which takes them, does not run here", **_mx_operands(x, w))
+        blocks = _mosaic_grouped_blocks(x.shape[0], w.shape[0])
     return _grouped_mx_matmul(x, w, group_sizes, blocks=blocks, out_dtype=out_dtype, interpret=interpret)
 
 
