@@ -82,7 +82,7 @@ def decode_floor_bytes(cfg, counts, batch: int, context: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--impl", default="pallas", choices=["pallas", "reference"])
-    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--batches", default="1,8,64", help="comma-separated decode batch sizes ('': no decode timing)")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--prefill", type=int, default=8192, help="prompt tokens of the prefill timing (0: skip)")
     ap.add_argument("--preset", default="mini")
@@ -108,7 +108,7 @@ def main() -> None:
     print(f"\n{cfg.name} ({counts.total / 1e9:.2f}B params, {counts.active / 1e9:.2f}B active), impl={args.impl}")
     row = lambda *cells: print(" | ".join(f"{c:>18}" for c in cells), flush=True)  # each as soon as measured
     with use_implementation(args.impl):
-        for batch in [int(b) for b in args.batches.split(",")]:
+        for batch in [int(b) for b in args.batches.split(",") if b]:
             gen = Generator(model, max_len=args.prompt + 64, prefill_chunk=args.prompt)
             prompts = np.random.default_rng(batch).integers(0, cfg.vocab_size, (batch, args.prompt)).tolist()
             _, cache = gen.prefill(prompts, gen.init_cache(batch))
