@@ -31,11 +31,39 @@ from pallas_kernels.mx_matmul.mosaic_gpu import MosaicBlocks, x_operand
 from pallas_kernels.mx_matmul.mosaic_gpu_grouped import (
     DEFAULT_BLOCKS,
     DEFAULT_BM,
+    group_tiles,
     tiled_mx_matmul,
     tiled_operand,
     tiled_row_count,
     tiled_rows,
 )
+
+
+# Candidate (benchmarks/grouped_prefill.py --moe): the pairs' slots by counting (``pair_slots``) instead of a sort.
+SLOTS_BY_COUNTING = False
+
+
+def _sorted_slots(experts: Array, n_experts: int, bm: int) -> tuple[Array, Array]:
+    flat = experts.reshape(-1)
+    dest, tile_groups = tiled_rows(jnp.bincount(flat, length=n_experts), flat.shape[0], bm)
+    return jnp.zeros(flat.shape, jnp.int32).at[expert_order(flat)].set(dest), tile_groups
+
+
+def pair_slots(experts: Array, n_experts: int, bm: int) -> tuple[Array, Array]:
+    """experts int32 [T, k] -> (slot of pair t k + j in the tiled layout int32 [T k], tile_groups as
+    ``group_tiles``): each expert's pairs in order of t, then j (the stable sort's order), counted rather
+    than sorted: pair (t, j) of expert e is e's pairs in tokens before t plus those at j' < j of token t.
+    Pairs whose expert is outside [0, n_experts) get the slot past the layout, ``tiled_row_count``."""
+    T, k = experts.shape
+    per_token = jnp.sum(experts[:, :, None] == jnp.arange(n_experts, dtype=experts.dtype), axis=1,
+                        dtype=jnp.int32)  # [T, E]
+    before = jnp.cumsum(per_token, axis=0) - per_token
+    earlier = jnp.sum(jnp.tril(experts[:, :, None] == experts[:, None, :], -1), axis=2, dtype=jnp.int32)
+    local = (experts >= 0) & (experts < n_experts)
+    e = jnp.where(local, experts, 0)
+    starts, tile_groups = group_tiles(jnp.sum(per_token, axis=0), T * k, bm)
+    slot = starts[e] + jnp.take_along_axis(before, e, axis=1) + earlier
+    return jnp.where(local, slot, tiled_row_count(T * k, n_experts, bm)).reshape(-1), tile_groups
 
 
 def tiled_moe_mx(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, weights: Array, experts: Array, act, *,
@@ -51,10 +79,7 @@ def tiled_moe_mx(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, weights: Ar
     T, k = experts.shape
     E, F, R = w1.shape
     pairs = T * k
-    flat = experts.reshape(-1)
-    order = expert_order(flat)
-    dest, tile_groups = tiled_rows(jnp.bincount(flat, length=E), pairs, bm)
-    slot = jnp.zeros((pairs,), jnp.int32).at[order].set(dest)  # pair f = t k + j sits at slot[f]
+    slot, tile_groups = (pair_slots if SLOTS_BY_COUNTING else _sorted_slots)(experts, E, bm)
     rows = tiled_row_count(pairs, E, bm)
     xt = tiled_operand(x, slot, jnp.arange(pairs, dtype=jnp.int32) // k, rows, blocks.bk)
     params = interpret_argument(interpret)
@@ -72,4 +97,4 @@ def tiled_moe_mx(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, weights: Ar
     return out.astype(x.dtype)
 
 
-__all__ = ["tiled_moe_mx"]
+__all__ = ["pair_slots", "tiled_moe_mx"]

@@ -59,24 +59,33 @@ def default_bm(rows: int, groups: int) -> int:
     return DEFAULT_BM if rows >= DENSE_ROWS_PER_GROUP * groups else SPARSE_BM
 
 
+def group_tiles(group_sizes: Array, m: int, bm: int) -> tuple[Array, Array]:
+    """group_sizes int32 [G] of M rows -> (each group's first row in the tiled layout int32 [G], tile_groups
+    int32 [T']): T' = T rounded up to 32, T = ceil(M / bm) + min(G, M) the tiles' static bound
+    (``tiled_row_count``); tiles past the groups' get G."""
+    sizes = group_sizes.astype(jnp.int32)
+    n_tiles = tiled_row_count(m, sizes.shape[0], bm) // bm
+    tiles = (sizes + bm - 1) // bm
+    tile_ends = jnp.cumsum(tiles)
+    tile_ids = jnp.arange(_round_up(n_tiles, _GROUPS_PER_COPY), dtype=jnp.int32)
+    # G for every tile past the groups' last (tile_ends[-1] <= T): searchsorted finds no end above it
+    return (tile_ends - tiles) * bm, jnp.searchsorted(tile_ends, tile_ids, side="right",
+                                                      method="compare_all").astype(jnp.int32)
+
+
 def tiled_rows(group_sizes: Array, m: int, bm: int) -> tuple[Array, Array]:
     """group_sizes int32 [G] of M rows sorted by group -> (row of each sorted row in the tiled layout
-    int32 [M] (T bm for rows past the groups), tile_groups int32 [T'], T' = T rounded up to 32,
-    T = ceil(M / bm) + min(G, M) the tiles' static bound (``tiled_row_count``); tiles past the groups' get G)."""
+    int32 [M] (T bm for rows past the groups), tile_groups as ``group_tiles``)."""
     sizes = group_sizes.astype(jnp.int32)
     n_groups = sizes.shape[0]
-    n_tiles = tiled_row_count(m, n_groups, bm) // bm
-    tiles = (sizes + bm - 1) // bm
-    row_ends, tile_ends = jnp.cumsum(sizes), jnp.cumsum(tiles)
+    starts, tile_groups = group_tiles(sizes, m, bm)
+    row_ends = jnp.cumsum(sizes)
     rows = jnp.arange(m, dtype=jnp.int32)
     # compare_all: one fusion; the default scan is a loop of small kernels (about 50 us at 16384 rows, RESULTS)
     group = jnp.searchsorted(row_ends, rows, side="right", method="compare_all").astype(jnp.int32)
     g = jnp.minimum(group, n_groups - 1)
-    dest = (tile_ends[g] - tiles[g]) * bm + rows - (row_ends[g] - sizes[g])
-    dest = jnp.where(group < n_groups, dest, n_tiles * bm)
-    tile_ids = jnp.arange(_round_up(n_tiles, _GROUPS_PER_COPY), dtype=jnp.int32)
-    # G for every tile past the groups' last (tile_ends[-1] <= T): searchsorted finds no end above it
-    return dest, jnp.searchsorted(tile_ends, tile_ids, side="right", method="compare_all").astype(jnp.int32)
+    dest = starts[g] + rows - (row_ends[g] - sizes[g])
+    return jnp.where(group < n_groups, dest, tiled_row_count(m, n_groups, bm)), tile_groups
 
 
 def _kernel(groups_g, codes_g, scales_g, x_g, out_g, groups_s, codes_s, scales_s, x_s, out_s, bars, scale_bar,
@@ -172,5 +181,5 @@ def tiled_mx_matmul(x_tiled: Array, codes: Array, scales: Array, tile_groups: Ar
     )(tile_groups, codes, scales, x_tiled)
 
 
-__all__ = ["DEFAULT_BLOCKS", "DEFAULT_BM", "DENSE_ROWS_PER_GROUP", "SPARSE_BM", "default_bm", "grouped_mx_matmul_mosaic", "tiled_mx_matmul", "tiled_operand",
-           "tiled_row_count", "tiled_rows"]
+__all__ = ["DEFAULT_BLOCKS", "DEFAULT_BM", "DENSE_ROWS_PER_GROUP", "SPARSE_BM", "default_bm", "group_tiles",
+           "grouped_mx_matmul_mosaic", "tiled_mx_matmul", "tiled_operand", "tiled_row_count", "tiled_rows"]
