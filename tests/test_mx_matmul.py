@@ -439,6 +439,29 @@ def test_tiled_rows_bound_with_fewer_rows_than_groups():
     np.testing.assert_array_equal(np.asarray(tile_groups), [1, 4] + [10] * 30)
 
 
+@pytest.mark.parametrize("tokens,k,experts,bm", [(13, 3, 7, 8), (40, 8, 5, 64)])
+def test_pair_slots_follow_the_stable_sort(tokens, k, experts, bm):
+    """``pair_slots`` (counting) against a loop over the pairs in numpy's stable sort by expert: random ids
+    with repeats within a token and ids past the experts (another device's), tiles of bm slots per expert."""
+    from pallas_kernels.mx_matmul.moe_tiled import pair_slots
+
+    ids = np.asarray(jax.random.randint(jax.random.key(tokens), (tokens, k), 0, experts + 2), np.int32)
+    flat = ids.reshape(-1)
+    bound = (-(-flat.size // bm) + min(experts, flat.size)) * bm
+    expected, row, last = np.full(flat.size, bound), -bm, None
+    for f in np.argsort(flat, kind="stable"):
+        if flat[f] >= experts:
+            continue
+        row = row + 1 if flat[f] == last else -(-(row + 1) // bm) * bm  # a new expert starts a tile
+        expected[f], last = row, flat[f]
+    slot, tile_groups = pair_slots(jnp.asarray(ids), experts, bm)
+    np.testing.assert_array_equal(np.asarray(slot), expected)
+    sizes = np.bincount(flat[flat < experts], minlength=experts)
+    groups = np.repeat(np.arange(experts), -(-sizes // bm))
+    np.testing.assert_array_equal(np.asarray(tile_groups)[:groups.size], groups)
+    assert (np.asarray(tile_groups)[groups.size:] == experts).all()
+
+
 @pytest.mark.parametrize("bm,bk,stages,k", [(8, 128, 2, 160), (16, 256, 3, 544)])
 def test_grouped_mosaic_gpu_matches_reference(bm, bk, stages, k):
     """The grouped Mosaic GPU kernel in interpret mode: an empty group, rows past the groups (zero),
