@@ -22,7 +22,8 @@ import jax.numpy as jnp
 
 from mx_matmul import random_bf16, random_mx, rel_err, routing, timed
 from k3jax.functional.moe import grouped_matmul, moe_sorted, situ
-from pallas_kernels.mx_matmul import MXBlocks, grouped_mx_matmul, grouped_mx_matmul_reference, moe_tiled, tiled_moe_mx
+from pallas_kernels.mx_matmul import MXBlocks, grouped_mx_matmul, grouped_mx_matmul_reference, tiled_moe_mx
+from pallas_kernels.mx_matmul.moe_tiled import pair_slots
 from pallas_kernels.mx_matmul.mosaic_gpu_grouped import DEFAULT_BM
 
 EXPERTS, TOP_K = 64, 8
@@ -88,17 +89,6 @@ def main() -> None:
 SLOTS_LOOP = 50
 
 
-def counting(fn):
-    """fn traced with ``moe_tiled.SLOTS_BY_COUNTING`` on (the candidate)."""
-    def traced(*args):
-        moe_tiled.SLOTS_BY_COUNTING = True
-        try:
-            return fn(*args)
-        finally:
-            moe_tiled.SLOTS_BY_COUNTING = False
-    return traced
-
-
 def slots_loop(slots, reps: int):
     """Jitted experts -> ``reps`` dependent computations of the tiled layout's slots (each call's experts
     depend on the last call's slots, which are never negative, so nothing is hoisted)."""
@@ -127,8 +117,6 @@ def bench_moe(tokens: int) -> None:
         "sorted dispatch, Triton grouped kernel": lambda x, wt, ex: moe_sorted(
             x, w1, w3, w2, wt, ex, situ, matmul=lambda xs, w, sizes: grouped_mx_matmul(xs, w, sizes)),
         "tiled_moe_mx (Mosaic GPU, tiled layout)": lambda x, wt, ex: tiled_moe_mx(x, w1, w3, w2, wt, ex, situ),
-        "tiled_moe_mx, slots by counting (candidate)": counting(
-            lambda x, wt, ex: tiled_moe_mx(x, w1, w3, w2, wt, ex, situ)),
     }
     rows = []
     for name, fn in forms.items():
@@ -136,10 +124,9 @@ def bench_moe(tokens: int) -> None:
         err = rel_err(fn(x, weights, experts).astype(jnp.float32), ref.astype(jnp.float32))
         rows.append((name, timed(fn, x, weights, experts, max_iters=50) * 1e6, err))
         print(rows[-1], flush=True)
-    for name, slots in (("sort", moe_tiled._sorted_slots), ("counting", moe_tiled.pair_slots)):
-        run = slots_loop(slots, SLOTS_LOOP)
-        rows.append((f"the pairs' slots alone, by {name}", timed(run, experts) / SLOTS_LOOP * 1e6, 0.0))
-        print(rows[-1], flush=True)
+    run = slots_loop(pair_slots, SLOTS_LOOP)
+    rows.append(("tiled_moe_mx's pair slots alone (pair_slots)", timed(run, experts) / SLOTS_LOOP * 1e6, 0.0))
+    print(rows[-1], flush=True)
     flops = 2.0 * tokens * TOP_K * 3 * f * r
     print(f"\nrouted experts of one `mini` MoE layer: {tokens} tokens x top {TOP_K} of {EXPERTS}; rel err against "
           "the sorted dispatch on float32 products rounded to bf16\n\n| form | us | TF/s | rel err |\n|---|---|---|---|")

@@ -14,9 +14,7 @@ Each switch turns one change off (module attributes read while a prefill chunk i
 - sorted MoE dispatch: ``k3jax.layers.moe.TILED_MOE_AT_PREFILL`` False (the routed experts of
   `mini`'s 2048-token chunks by the sorted dispatch on the Triton grouped kernel, not by
   ``pallas_kernels.mx_matmul.tiled_moe_mx``, the grouped Mosaic GPU kernel in its tiled layout).
-A candidate turns a form on that is not the default yet (``CANDIDATES``):
-- slots by counting: ``pallas_kernels.mx_matmul.moe_tiled.SLOTS_BY_COUNTING`` True (the tiled MoE's pair slots
-  by per-token counts and their cumsum, ``pair_slots``, not by a sort).
+A candidate turns a form on that is not the default yet (``CANDIDATES``; none at present).
 Variants: the default, each switch alone, each candidate alone, all the changes off. Also prints each
 variant's last-token logits against the default's. Each variant compiles its own 8K prefill (80-110 s each on the H200), so
 within a 10-minute call name one or two variants.
@@ -36,7 +34,6 @@ import k3jax.layers.moe as moe
 from k3jax import Generator, K3Model, preset, use_implementation
 from k3jax.functional.conv import causal_conv
 from k3jax.layers.mla import MLA
-from pallas_kernels.mx_matmul import moe_tiled
 from switches import Switches
 
 
@@ -51,9 +48,7 @@ OFF = {  # a change's name -> (owner, attribute, value with the change off)
     "concatenated short convs": (kda, "_short_convs_xla", _concatenated_short_convs),
     "sorted MoE dispatch": (moe, "TILED_MOE_AT_PREFILL", False),
 }
-CANDIDATES = {  # a candidate's name -> (owner, attribute, value with it on)
-    "slots by counting": (moe_tiled, "SLOTS_BY_COUNTING", True),
-}
+CANDIDATES: dict = {}  # a candidate's name -> (owner, attribute, value with it on)
 SWITCHES = Switches(OFF, CANDIDATES)
 
 

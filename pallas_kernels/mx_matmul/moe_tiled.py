@@ -22,7 +22,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from k3jax.functional.moe import expert_order
 from k3jax.mx import MXTensor
 from k3jax.typing import Array
 from pallas_kernels._mosaic_gpu import interpret_argument
@@ -35,18 +34,7 @@ from pallas_kernels.mx_matmul.mosaic_gpu_grouped import (
     tiled_mx_matmul,
     tiled_operand,
     tiled_row_count,
-    tiled_rows,
 )
-
-
-# Candidate (benchmarks/grouped_prefill.py --moe): the pairs' slots by counting (``pair_slots``) instead of a sort.
-SLOTS_BY_COUNTING = False
-
-
-def _sorted_slots(experts: Array, n_experts: int, bm: int) -> tuple[Array, Array]:
-    flat = experts.reshape(-1)
-    dest, tile_groups = tiled_rows(jnp.bincount(flat, length=n_experts), flat.shape[0], bm)
-    return jnp.zeros(flat.shape, jnp.int32).at[expert_order(flat)].set(dest), tile_groups
 
 
 def pair_slots(experts: Array, n_experts: int, bm: int) -> tuple[Array, Array]:
@@ -79,7 +67,7 @@ def tiled_moe_mx(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, weights: Ar
     T, k = experts.shape
     E, F, R = w1.shape
     pairs = T * k
-    slot, tile_groups = (pair_slots if SLOTS_BY_COUNTING else _sorted_slots)(experts, E, bm)
+    slot, tile_groups = pair_slots(experts, E, bm)
     rows = tiled_row_count(pairs, E, bm)
     xt = tiled_operand(x, slot, jnp.arange(pairs, dtype=jnp.int32) // k, rows, blocks.bk)
     params = interpret_argument(interpret)
