@@ -2,7 +2,8 @@
 
 ``tiled_moe_mx`` computes what ``k3jax.functional.moe.moe_sorted`` does, but lays the (token, expert)
 pairs out the way ``mosaic_gpu_grouped.tiled_mx_matmul`` reads them: each expert's pairs start at a
-tile boundary (``tiled_rows``), so no product needs a row mask and no copy sorts or scatters x:
+tile boundary, so no product needs a row mask and no copy sorts or scatters x. The pairs' slots come from
+counting, not a sort (``pair_slots``):
 
 1. one row gather builds the kernel's x operand from x [T, R] (``tiled_operand``): each pair's slot takes
    its token's row (padding slots a zero row), with the columns already permuted as the kernel's register
@@ -14,7 +15,8 @@ tile boundary (``tiled_rows``), so no product needs a row mask and no copy sorts
 
 The layout's static bound is ceil(T k / bm) + min(E, T k) tiles; tiles past the experts' are not computed and
 never read. Pairs whose expert is outside [0, E) (under expert parallelism, those of another device's experts)
-take no slot and add nothing. Measured on the H200 at ``mini``'s prefill chunk: benchmarks/RESULTS.md (MX run 13).
+take no slot and add nothing. Measured on the H200 at ``mini``'s prefill chunk: benchmarks/RESULTS.md (MX runs 13
+and 18).
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ DEFAULT_BLOCKS = MosaicBlocks(bk=256, stages=2)
 # Below this many rows a group on average, tiles of SPARSE_BM rows (wgmma's smallest N). 256 is `mini`'s 2048-token
 # prefill chunk (8 of 64 experts), where DEFAULT_BM tiles measured 20% faster than the sorted dispatch (MX run 13).
 # At decode a group has one or a few rows: K3's routed layer took 137 us at 1 token in 8-row tiles (MX run 15), and
-# 4096 rows over 448 experts 3.1 ms in 8-row tiles against 9.6 ms in 64-row ones (MX run 16).
+# 4096 rows over 448 experts 3.1 ms in 8-row tiles against 9.6 ms in 64-row ones (MX runs 16-17).
 DENSE_ROWS_PER_GROUP = 256
 SPARSE_BM = 8
 
