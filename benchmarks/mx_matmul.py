@@ -1,7 +1,7 @@
 """MX matmul benchmark on one GPU: our Pallas kernels against XLA peers, in one run.
 
     python3 benchmarks/mx_matmul.py [--quick] [--skip check,dense,grouped,moe] [--only decode] [--moe-sweep]
-                                    [--moe-shape K3|mini]
+                                    [--moe-shape K3|mini] [--moe-tokens 256,2048] [--moe-bm 8,16,32,64]
 
 ``--only decode``: the batch-1 question in about three minutes: a shorter correctness section (default,
 one-row gemv and Mosaic GPU paths), dense M = 1 and 16 (the Triton default tiles, the default gemv,
@@ -28,8 +28,9 @@ instructions.
    bf16 weights.
 4. MoE: one layer's routed experts (K3 for 1-8 tokens, `mini` for 1 and 8), the fused one-kernel
    MoE (``fused_moe_mx``) and two-kernel MoE (``fused_moe_mx_split``) against the sorted dispatch
-   through the grouped kernel, each timed inside a jitted loop (``--moe-sweep``: both fused forms'
-   tile configurations too, at one token). The loop calls the op on the same experts, so their
+   through the grouped kernel, and the tiled Mosaic GPU MoE in tiles of ``--moe-bm`` pairs, each timed inside
+   a jitted loop (``--moe-sweep``: both fused forms' tile configurations too, at one token; ``--moe-tokens``:
+   other token counts, e.g. K3's 2048-token prefill chunk). The loop calls the op on the same experts, so their
    weights stay in L2, and its own small kernels cost about 15 us an iteration on the H200: at one
    token the rows compare L2-hot kernels near that floor, not the decode step's DRAM-bound MoE
    (benchmarks/RESULTS.md, eleventh session, runs 9 and 10).
@@ -493,13 +494,16 @@ MOE_SPLIT_SWEEP = (
 MOE_LOOP = 20  # calls per jitted loop: small kernels are timed without host dispatch
 
 
-def bench_moe(key, quick: bool, sweep: bool, shapes: tuple[str, ...] = tuple(MOE_SHAPES)) -> None:
+def bench_moe(key, quick: bool, sweep: bool, shapes: tuple[str, ...] = tuple(MOE_SHAPES),
+              tokens_given: tuple[int, ...] = (), tiles: tuple[int, ...] = TILED_MOE_BM) -> None:
     """One MoE layer's routed experts at decode sizes (K3: 896 experts, 16 per token, latent 3584,
     hidden 3072; `mini`: 64, 8, 1024, 768; SiTU): the fused one-kernel MoE against the sorted
     dispatch through the grouped kernel (argsort, gather, three grouped calls, scatter), each
     repeated ``MOE_LOOP`` times inside one jitted loop. ``sweep``: at one token, the fused kernels'
     tiles too (``MOE_SWEEP``: hidden units and contracted elements per program, down-projection rows per
-    atomic add, warps; ``MOE_SPLIT_SWEEP``: the two-kernel form's)."""
+    atomic add, warps; ``MOE_SPLIT_SWEEP``: the two-kernel form's). ``tokens_given``: these token counts
+    instead of the shape's; ``tiles``: the tiled MoE's pair rows per tile (K3's prefill chunk, 2048 tokens, puts
+    37 pairs on an expert: between the decode tiles and `mini`'s prefill density, unmeasured)."""
     for name in shapes:
         (e, f, r, top_k), token_counts = MOE_SHAPES[name]
         print(f"== MoE layer (routed, {name}): {e} experts, top {top_k}, {r} -> {f} -> {r}", flush=True)
@@ -515,11 +519,11 @@ def bench_moe(key, quick: bool, sweep: bool, shapes: tuple[str, ...] = tuple(MOE
                 "pallas fused MoE (default)": fused(FUSED_MOE_BLOCKS, FUSED_MOE_DOWN_ROWS),
                 "pallas two-kernel MoE (default)": split(SPLIT_MOE_BLOCKS, None)}
         if mosaic_gpu_runs():
-            base |= {f"pallas tiled Mosaic GPU MoE bm {bm}": tiled(bm) for bm in TILED_MOE_BM}
+            base |= {f"pallas tiled Mosaic GPU MoE bm {bm}": tiled(bm) for bm in tiles}
         swept = {f"pallas fused MoE {label(b)} rows {rows}": fused(b, rows) for b, rows in MOE_SWEEP}
         swept |= {f"pallas 2k MoE h {b.bn}x{b.bk} w{b.num_warps} d {d.bn}x{d.bk} w{d.num_warps}": split(b, d)
                   for b, d in MOE_SPLIT_SWEEP}
-        for tokens in token_counts[:2] if quick else token_counts:
+        for tokens in tokens_given or (token_counts[:2] if quick else token_counts):
             variants = {**base, **swept} if sweep and tokens == 1 else base  # the sweep: batch-1 decode only
             if tokens > FUSED_MOE_MAX_TOKENS[name]:
                 variants = {impl: fn for impl, fn in variants.items() if "fused" not in impl and "two-kernel" not in impl}
@@ -557,6 +561,10 @@ def profile_calls() -> None:
             jax.block_until_ready(fn(x, w))
 
 
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(t) for t in text.split(",") if t)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer shapes and tile configs")
@@ -566,6 +574,10 @@ def main() -> None:
     parser.add_argument("--moe-sweep", action="store_true", help="section moe: the fused MoEs' tiles too")
     parser.add_argument("--moe-shape", choices=sorted(MOE_SHAPES), action="append",
                         help="section moe: only this layer shape (repeatable; default all)")
+    parser.add_argument("--moe-tokens", default="",
+                        help="section moe: comma-separated token counts (default the shape's)")
+    parser.add_argument("--moe-bm", default=",".join(map(str, TILED_MOE_BM)),
+                        help="section moe: the tiled MoE's pair rows per tile, comma-separated")
     args = parser.parse_args()
     if args.profile:
         profile_calls()
@@ -577,7 +589,8 @@ def main() -> None:
     for name, fn in [("check", lambda: check_correctness(key, focus)),
                      ("dense", lambda: bench_dense(key, args.quick, focus)),
                      ("grouped", lambda: bench_grouped(key, args.quick, focus)),
-                     ("moe", lambda: bench_moe(key, args.quick, args.moe_sweep, tuple(args.moe_shape or MOE_SHAPES)))]:
+                     ("moe", lambda: bench_moe(key, args.quick, args.moe_sweep, tuple(args.moe_shape or MOE_SHAPES),
+                                               _ints(args.moe_tokens), _ints(args.moe_bm)))]:
         if name in skip:
             continue
         try:
