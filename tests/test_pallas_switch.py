@@ -120,9 +120,9 @@ def test_moe_layer_with_packed_experts(tokens):
 
 
 def test_moe_layer_tiled_for_prefill(monkeypatch):
-    """With the kernel's density threshold lowered to 1 pair per expert (default 256) a bf16 layer takes its routed experts
-    through ``tiled_moe_mx`` (the grouped Mosaic GPU kernel, interpret mode) and matches the reference path
-    within bf16 rounding."""
+    """With the kernel's density threshold lowered to 1 pair per expert (default 256) a bf16 layer takes its
+    routed experts through ``tiled_moe_mx`` (the grouped Mosaic GPU kernel, interpret mode) and matches the
+    reference path within bf16 rounding."""
     from pallas_kernels import mx_matmul
     from pallas_kernels.mx_matmul import mosaic_gpu_grouped
 
@@ -140,14 +140,15 @@ def test_moe_layer_tiled_for_prefill(monkeypatch):
     assert rel_err(pal, ref) < 1e-2
 
 
-@pytest.mark.parametrize("tokens, mesh, mosaic", [(1, False, True), (3, False, True), (1, True, True), (1, True, False)])
+@pytest.mark.parametrize("tokens, mesh, mosaic",
+                         [(1, False, True), (3, False, True), (1, True, True), (1, True, False)])
 def test_moe_layer_tiled_at_decode(monkeypatch, tokens, mesh, mosaic):
-    """Where the Mosaic GPU kernels run (made to hold here unless ``mosaic`` is False; the kernels in
-    interpret mode), a bf16 decode step's routed experts go through ``tiled_moe_mx`` in tiles of ``SPARSE_BM``
-    pairs from 2 tokens (``FUSED_MOE_MAX_TOKENS_BESIDE_TILED``), through the fused kernels at one, and under
-    an expert mesh (one device here; 3 in test_sharding.py) through the tiled MoE at one token too, where
-    Mosaic GPU does not run through the sorted dispatch on the Triton grouped kernel (whose ``pallas_call``
-    shard_map's output-variance check refused); all match the reference path within bf16 rounding."""
+    """A bf16 decode step's routed experts, the kernels in interpret mode. Where the Mosaic GPU kernels run
+    (``mosaic``: made to hold here): through ``tiled_moe_mx`` in tiles of ``SPARSE_BM`` pairs from 2 tokens
+    (``FUSED_MOE_MAX_TOKENS_BESIDE_TILED``), through the fused kernels at one, and under an expert mesh (one
+    device here; 3 in test_sharding.py) through the tiled MoE at one token too. Where they do not, under the
+    mesh: through the sorted dispatch on the Triton grouped kernel (a shard_map whose output-variance check
+    refused every pallas_call failed to trace here). All match the reference path within bf16 rounding."""
     import contextlib
 
     import k3jax.layers.moe as moe_layer

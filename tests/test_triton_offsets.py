@@ -72,24 +72,21 @@ def _k3_stacks(experts: int):
     return up, up, down
 
 
-def test_fused_moe_entries_raise_for_wrapping_stacks():
+@pytest.mark.parametrize("entry", ["fused_moe_mx", "fused_moe_mx_split", "routed_moe_mx_split"])
+def test_fused_moe_entries_raise_for_wrapping_stacks(entry):
     """Called directly, the fused MoE kernels refuse stacks whose offsets wrap (448 of K3's experts), naming the
     operand."""
-    from pallas_kernels.mx_matmul import fused_moe_mx, fused_moe_mx_split, routed_moe_mx_split
+    from pallas_kernels import mx_matmul
 
-    x, pairs = shape(1, 3584, dtype=BF16), shape(1, 16, dtype=jnp.int32)
+    x, weights, experts = shape(1, 3584, dtype=BF16), shape(1, 16, dtype=jnp.float32), shape(1, 16, dtype=jnp.int32)
     act = lambda g, u: g * u
-    calls = {
-        "fused_moe_mx": lambda *w: fused_moe_mx(x, *w, shape(1, 16, dtype=jnp.float32), pairs, act, interpret=False),
-        "fused_moe_mx_split": lambda *w: fused_moe_mx_split(x, *w, shape(1, 16, dtype=jnp.float32), pairs, act,
-                                                            interpret=False),
-        "routed_moe_mx_split": lambda *w: routed_moe_mx_split(
-            x, *w, shape(1, w[0].shape[0], dtype=jnp.float32), shape(w[0].shape[0], dtype=jnp.float32), act, k=16,
-            renormalize=True, scaling_factor=1.0, interpret=False),
-    }
-    for name, call in calls.items():
-        with pytest.raises(ValueError, match=r"w1\.codes: 2466250752 one-byte elements.* offsets wrap"):
-            call(*_k3_stacks(448))
+    stacks = _k3_stacks(448)
+    with pytest.raises(ValueError, match=r"w1\.codes: 2466250752 one-byte elements.* offsets wrap"):
+        if entry == "routed_moe_mx_split":
+            mx_matmul.routed_moe_mx_split(x, *stacks, shape(1, 448, dtype=jnp.float32), shape(448, dtype=jnp.float32),
+                                          act, k=16, renormalize=True, scaling_factor=1.0, interpret=False)
+        else:
+            getattr(mx_matmul, entry)(x, *stacks, weights, experts, act, interpret=False)
 
 
 @pytest.mark.parametrize("rows", [1, 32])
