@@ -325,9 +325,10 @@ def grouped_mx_matmul(
         return tpu.grouped_mx_matmul(x, w, group_sizes, blocks=blocks, out_dtype=out_dtype, interpret=interpret)
     out_dtype, interpret = _resolve(x, out_dtype, interpret)
     blocks = blocks or default_blocks(x.shape[0], grouped=True)
-    if not (blocks.mosaic_gpu or interpret) and offsets_wrap(*_mx_operands(x, w).values()):
+    operands = _mx_operands(x, w)
+    if not (blocks.mosaic_gpu or interpret) and offsets_wrap(*operands.values()):
         if not mosaic_gpu_runs():
-            check_offsets("the grouped Mosaic GPU kernel, which takes them, does not run here", **_mx_operands(x, w))
+            check_offsets("the grouped Mosaic GPU kernel, which takes them, does not run here", **operands)
         blocks = _mosaic_grouped_blocks(x.shape[0], w.shape[0])
     return _grouped_mx_matmul(x, w, group_sizes, blocks=blocks, out_dtype=out_dtype, interpret=interpret)
 
