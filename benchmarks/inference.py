@@ -85,6 +85,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,64", help="comma-separated decode batch sizes ('': no decode timing)")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--prefill", type=int, default=8192, help="prompt tokens of the prefill timing (0: skip)")
+    ap.add_argument("--prefill-chunk", type=int, default=2048, help="tokens per prefill call of the prefill timing")
     ap.add_argument("--preset", default="mini")
     ap.add_argument("--matvec-rows", type=int, default=None,
                     help="rows up to which the layers' projections take the one-kernel matvecs on the Pallas path "
@@ -146,7 +147,8 @@ def main() -> None:
                 f"{batch / step:,.0f} tok/s", f"median {median * 1e3:.2f} ms")
         T = args.prefill
         if T:
-            gen = Generator(model, max_len=T + 16, prefill_chunk=2048)
+            C = min(args.prefill_chunk, T)
+            gen = Generator(model, max_len=T + 16, prefill_chunk=C)
             prompt = [np.random.default_rng(0).integers(0, cfg.vocab_size, T).tolist()]
             jax.block_until_ready(gen.prefill(prompt, gen.init_cache(1))[0])
             rounds = []
@@ -156,10 +158,10 @@ def main() -> None:
                 rounds.append(time.perf_counter() - t)
             seconds = min(rounds)
             if args.profile:
-                chunk = jnp.asarray(np.asarray(prompt)[:, :2048])
+                chunk = jnp.asarray(np.asarray(prompt)[:, :C])
                 start, lengths = jnp.zeros((1,), jnp.int32), jnp.full((1,), T, jnp.int32)
-                print(f"\n## prefill chunk of 2048 tokens (of {T})")
-                last = jnp.full((1,), 2047, jnp.int32)
+                print(f"\n## prefill chunk of {C} tokens (of {T})")
+                last = jnp.full((1,), C - 1, jnp.int32)
                 times = device_times(lambda: gen._extend(gen._weights, chunk, gen.init_cache(1), start, lengths, last)[0],
                                      calls=2)
                 print(kernel_table(times, source_paths(dumped_hlo(args.profile, "extend")), top=args.profile_top))

@@ -22,11 +22,13 @@ PROMPT_LENGTHS = [5, 19, 12]  # ragged, not multiples of 16; 19 spans two 16-tok
 DECODE_STEPS = 5
 
 
-# Whole-model float32 tolerance. tiny's random 14-layer Block AttnRes stack amplifies rounding:
-# perturbing its float64 reference's parameters by float32 unit roundoff moves the logits by 5e-5
-# to 4e-4 (measured for tests/test_model_vs_numpy.py), so cached and uncached paths, which round
-# differently, agree only to that level; tiny_linear is far better conditioned.
-TOLERANCE = {"tiny": 2e-4, "tiny_linear": 1e-5}
+# Whole-model float32 tolerance, above the models' own rounding noise. tiny's random 14-layer Block AttnRes stack
+# amplifies rounding: perturbing its parameters by float32 unit roundoff (relative 1.2e-7, random) moves its logits,
+# in this file's measure (the worst of the steps below), by 1.5e-4 to 2.1e-3 over 8 draws, tiny_linear's by 5e-6 to
+# 1.8e-5; cached and uncached paths round differently, so they agree only to that level (the earlier bars, 2e-4 and
+# 1e-5, sat inside it, and an exact rewrite of the short conv crossed one). A wrong conv state after a ragged
+# prefill (off by one token) errs by 0.5-1.4 (twenty-eighth session).
+TOLERANCE = {"tiny": 5e-3, "tiny_linear": 5e-5}
 
 
 @pytest.fixture(scope="module")

@@ -2,10 +2,31 @@
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from k3jax.typing import Array
+
+
+def _delayed(x: Array, state: Array, s: int) -> Array:
+    """x [B, T, F] delayed by s steps along T, the state [B, W-1, F] (the inputs before x) filling the
+    first s: rows [W-1-s, W-1-s+T) of the state and x side by side, without building that array."""
+    T, W = x.shape[1], state.shape[1] + 1
+    if s == 0:
+        return x
+    if s >= T:
+        return state[:, W - 1 - s : W - 1 - s + T]
+    return jnp.concatenate([state[:, W - 1 - s :], x[:, : T - s]], axis=1)
+
+
+def _last_inputs(x: Array, state: Array, lengths: Array | None) -> Array:
+    """The last W-1 real inputs of each row of the state and x side by side [B, W-1, F]: those before
+    position lengths[b] of x (default T)."""
+    T, keep = x.shape[1], state.shape[1]
+    if lengths is None:
+        return x[:, T - keep :] if T >= keep else jnp.concatenate([state[:, T:], x], axis=1)
+    position = lengths[:, None] + jnp.arange(keep)  # in the state and x side by side
+    take = lambda a, i: jnp.take_along_axis(a, jnp.clip(i, 0, a.shape[1] - 1)[:, :, None], axis=1)
+    return jnp.where((position < keep)[:, :, None], take(state, position), take(x, position - keep))
 
 
 def causal_conv(
@@ -17,19 +38,19 @@ def causal_conv(
     the W-1 inputs before x (zeros for a fresh sequence); lengths [B] (default T) counts the real
     tokens of each row, the rest being right padding. Returns (y [B, T, F] float32, the new state
     [B, W-1, F]: the last W-1 real inputs of each row, which is what the next call needs).
+
+    Each tap reads x delayed (``_delayed``), not a slice of the state and x concatenated: XLA keeps
+    such a concatenation, read at W offsets, as an array of its own (on the H200 a 2048-token prefill
+    chunk spent 21 us a KDA input writing it, then 14 us on the conv; benchmarks/RESULTS.md, issue 4,
+    twenty-eighth session), where a delayed copy per tap fuses into the conv.
     """
     B, T, F = x.shape
     W = weight.shape[-1]
     x = x.astype(jnp.float32)
-    if state is None:
-        state = jnp.zeros((B, W - 1, F), jnp.float32)
-    padded = jnp.concatenate([state.astype(jnp.float32), x], axis=1)  # [B, T + W - 1, F]
+    state = jnp.zeros((B, W - 1, F), jnp.float32) if state is None else state.astype(jnp.float32)
     w = weight.astype(jnp.float32)
-    y = sum(padded[:, j : j + T] * w[:, j] for j in range(W))
-    if lengths is None:
-        return y, padded[:, T:]
-    last = jax.vmap(lambda row, n: jax.lax.dynamic_slice_in_dim(row, n, W - 1, axis=0))(padded, lengths)
-    return y, last
+    y = sum(_delayed(x, state, W - 1 - j) * w[:, j] for j in range(W))
+    return y, _last_inputs(x, state, lengths)
 
 
 __all__ = ["causal_conv"]
