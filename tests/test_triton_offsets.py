@@ -99,8 +99,11 @@ def test_dense_mx_matmul_raises_for_wrapping_weights(rows, monkeypatch):
         ops.mx_matmul(shape(rows, 4608, dtype=BF16), w, interpret=False)
 
 
-@pytest.mark.parametrize("rows, groups, bm", [(32, 448, 8), (4096, 448, 8), (16384, 64, 64), (16383, 64, 8)])
+@pytest.mark.parametrize("rows, groups, bm", [(32, 448, 8), (4096, 448, 8), (2047, 64, 8), (2048, 64, 16),
+                                              (32768, 896, 16), (4096, 64, 32), (16384, 64, 64), (65536, 64, 64)])
 def test_wrapping_stack_tiles_follow_the_density_rule(rows, groups, bm):
-    """The fallback tiles as the tiled MoE does (``default_bm``): 4096 pairs over 448 experts took 3.1 ms in
-    8-row tiles against 9.6 in 64-row ones (MX run 16); `mini`'s prefill chunk (16384 over 64) 64-row tiles."""
+    """The fallback tiles as the tiled MoE does (``default_bm``, half the rows a group holds, as a power of two
+    from 8 to 64): 4096 pairs over 448 experts took 3.1 ms in 8-row tiles against 9.6 in 64-row ones (MX run 16),
+    K3's 2048-token chunk (32768 over 896) 17.2 ms in 16-row ones against 24.6 in 8 (twenty-eighth session),
+    `mini`'s prefill chunk (16384 over 64) is fastest in 64-row tiles."""
     assert ops._mosaic_grouped_blocks(rows, groups).bm == bm

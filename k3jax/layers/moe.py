@@ -97,15 +97,15 @@ def _mosaic_gpu_runs() -> bool:
 
 def _tiled_bm(w: Array | MXTensor, x: Array, pairs: int) -> int | None:
     """Pairs per tile of the Pallas path's tiled Mosaic GPU MoE for MXFP4 experts and bf16 x
-    (``default_bm``), or None where it does not run: at the dense tile (``TILED_MOE_AT_PREFILL``) on a GPU
-    where the Mosaic GPU kernels run or in interpret mode on a CPU, at the sparse one (``TILED_MOE_AT_DECODE``)
-    on such a GPU only (a decode step through the interpreter takes seconds)."""
+    (``default_bm``), or None where it does not run: from ``DENSE_ROWS_PER_GROUP`` pairs an expert (prefill,
+    ``TILED_MOE_AT_PREFILL``) on a GPU where the Mosaic GPU kernels run or in interpret mode on a CPU, below that
+    (decode, ``TILED_MOE_AT_DECODE``) on such a GPU only (a decode step through the interpreter takes seconds)."""
     if not isinstance(w, MXTensor) or x.dtype != jnp.bfloat16 or get_implementation() != "pallas":
         return None
-    from pallas_kernels.mx_matmul.mosaic_gpu_grouped import SPARSE_BM, default_bm
+    from pallas_kernels.mx_matmul.mosaic_gpu_grouped import DENSE_ROWS_PER_GROUP, default_bm
 
     bm, runs = default_bm(pairs, w.shape[0]), _mosaic_gpu_runs()
-    if bm == SPARSE_BM:
+    if pairs < DENSE_ROWS_PER_GROUP * w.shape[0]:
         return bm if TILED_MOE_AT_DECODE and runs else None
     return bm if TILED_MOE_AT_PREFILL and (runs or pallas_interpret()) else None
 

@@ -45,18 +45,23 @@ _GROUPS_PER_COPY = 32  # tile groups (int32) per copy: 128 bytes, a multiple of 
 # at `mini`'s prefill chunk (benchmarks/RESULTS.md, MX run 13)
 DEFAULT_BM = 64
 DEFAULT_BLOCKS = MosaicBlocks(bk=256, stages=2)
-# Below this many rows a group on average, tiles of SPARSE_BM rows (wgmma's smallest N). 256 is `mini`'s 2048-token
-# prefill chunk (8 of 64 experts), where DEFAULT_BM tiles measured 20% faster than the sorted dispatch (MX run 13).
-# At decode a group has one or a few rows: K3's routed layer took 137 us at 1 token in 8-row tiles (MX run 15), and
-# 4096 rows over 448 experts 3.1 ms in 8-row tiles against 9.6 ms in 64-row ones (MX runs 16-17).
-DENSE_ROWS_PER_GROUP = 256
+# Tiles of x rows by the rows a group holds on average: half that average, rounded down to a power of two, from
+# SPARSE_BM (wgmma's smallest N) to DEFAULT_BM. On the H200 (MX runs 13, 15 and the twenty-eighth session's): at 1-64
+# K3 tokens (1-9 rows a group) 8-row tiles were fastest; at a K3 2048-token chunk (37 rows a group) 16-row ones
+# (17.2 ms against 24.6 for 8, 17.6 for 32, 19.5 for 64); at `mini`'s 2048-token chunk (256) 64-row ones (against 128).
 SPARSE_BM = 8
+# From this many rows a group on average the layer counts the products as prefill's (``k3jax.layers.moe``'s
+# ``TILED_MOE_AT_PREFILL``), below as decode's (``TILED_MOE_AT_DECODE``): 256 is `mini`'s 2048-token chunk.
+DENSE_ROWS_PER_GROUP = 256
 
 
 def default_bm(rows: int, groups: int) -> int:
-    """x rows per tile for ``rows`` rows over ``groups`` groups: ``DEFAULT_BM`` from ``DENSE_ROWS_PER_GROUP``
-    rows a group on average, else ``SPARSE_BM``."""
-    return DEFAULT_BM if rows >= DENSE_ROWS_PER_GROUP * groups else SPARSE_BM
+    """x rows per tile for ``rows`` rows over ``groups`` groups: half the rows a group holds on average,
+    rounded down to a power of two, from ``SPARSE_BM`` to ``DEFAULT_BM``."""
+    bm = SPARSE_BM
+    while bm < DEFAULT_BM and 4 * bm * groups <= rows:  # 2 bm <= rows / groups / 2
+        bm *= 2
+    return bm
 
 
 def group_tiles(group_sizes: Array, m: int, bm: int) -> tuple[Array, Array]:
