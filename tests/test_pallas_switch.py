@@ -120,15 +120,15 @@ def test_moe_layer_with_packed_experts(tokens):
 
 
 def test_moe_layer_tiled_for_prefill(monkeypatch):
-    """With the kernel's density threshold lowered to 1 pair per expert (default 256) a bf16 layer takes its
+    """With the layer's prefill threshold lowered to 1 pair per expert (default 256) a bf16 layer takes its
     routed experts through ``tiled_moe_mx`` (the grouped Mosaic GPU kernel, interpret mode) and matches the
     reference path within bf16 rounding."""
+    import k3jax.layers.moe as moe_layer
     from pallas_kernels import mx_matmul
-    from pallas_kernels.mx_matmul import mosaic_gpu_grouped
 
     calls = []
     tiled = mx_matmul.tiled_moe_mx
-    monkeypatch.setattr(mosaic_gpu_grouped, "DENSE_ROWS_PER_GROUP", 1)
+    monkeypatch.setattr(moe_layer, "PREFILL_PAIRS_PER_EXPERT", 1)
     monkeypatch.setattr(mx_matmul, "tiled_moe_mx", lambda *a, **kw: calls.append(1) or tiled(*a, **kw))
     cfg = preset("tiny")
     layer = MoE(cfg.hidden_size, cfg.moe, activation("situ"), cfg.rms_norm_eps, rngs=nnx.Rngs(3), packed_experts=True,

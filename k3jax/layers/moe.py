@@ -49,9 +49,11 @@ class Experts(nnx.Module):
 # The Pallas path takes the routed experts of MXFP4 layers through the grouped Mosaic GPU kernel in its tiled layout
 # (``pallas_kernels.mx_matmul.tiled_moe_mx``), in tiles by the kernel's own density rule
 # (``mosaic_gpu_grouped.default_bm``); False: the sorted dispatch there.
-# Dense (prefill, from ``DENSE_ROWS_PER_GROUP`` pairs per expert): at `mini`'s 2048-token chunk the MoE alone measured
-# 20% faster than the sorted dispatch and the whole 8K prefill 60.9 against 66.6 ms (benchmarks/RESULTS.md, issue 4,
-# sixteenth session).
+# From this many pairs per expert on average the layer counts its routed products as prefill's (``TILED_MOE_AT_PREFILL``),
+# below as decode's (``TILED_MOE_AT_DECODE``): 256 is `mini`'s 2048-token chunk.
+PREFILL_PAIRS_PER_EXPERT = 256
+# Prefill: at `mini`'s 2048-token chunk the MoE alone measured 20% faster than the sorted dispatch and the whole 8K
+# prefill 60.9 against 66.6 ms (benchmarks/RESULTS.md, issue 4, sixteenth session).
 TILED_MOE_AT_PREFILL = True
 # Sparse (decode), on a GPU only: on the H200 (MX run 15) K3's routed layer (896 experts, top 16) took 137 against
 # 251 us at 1 token and 3.9 against 7.0 ms at 64 (1.8-2.0x at 1-64 tokens, 2.1-3.0 TB/s of MXFP4 weights), `mini`'s
@@ -97,15 +99,15 @@ def _mosaic_gpu_runs() -> bool:
 
 def _tiled_bm(w: Array | MXTensor, x: Array, pairs: int) -> int | None:
     """Pairs per tile of the Pallas path's tiled Mosaic GPU MoE for MXFP4 experts and bf16 x
-    (``default_bm``), or None where it does not run: from ``DENSE_ROWS_PER_GROUP`` pairs an expert (prefill,
+    (``default_bm``), or None where it does not run: from ``PREFILL_PAIRS_PER_EXPERT`` pairs an expert (prefill,
     ``TILED_MOE_AT_PREFILL``) on a GPU where the Mosaic GPU kernels run or in interpret mode on a CPU, below that
     (decode, ``TILED_MOE_AT_DECODE``) on such a GPU only (a decode step through the interpreter takes seconds)."""
     if not isinstance(w, MXTensor) or x.dtype != jnp.bfloat16 or get_implementation() != "pallas":
         return None
-    from pallas_kernels.mx_matmul.mosaic_gpu_grouped import DENSE_ROWS_PER_GROUP, default_bm
+    from pallas_kernels.mx_matmul.mosaic_gpu_grouped import default_bm
 
     bm, runs = default_bm(pairs, w.shape[0]), _mosaic_gpu_runs()
-    if pairs < DENSE_ROWS_PER_GROUP * w.shape[0]:
+    if pairs < PREFILL_PAIRS_PER_EXPERT * w.shape[0]:
         return bm if TILED_MOE_AT_DECODE and runs else None
     return bm if TILED_MOE_AT_PREFILL and (runs or pallas_interpret()) else None
 

@@ -50,9 +50,6 @@ DEFAULT_BLOCKS = MosaicBlocks(bk=256, stages=2)
 # K3 tokens (1-9 rows a group) 8-row tiles were fastest; at a K3 2048-token chunk (37 rows a group) 16-row ones
 # (17.2 ms against 24.6 for 8, 17.6 for 32, 19.5 for 64); at `mini`'s 2048-token chunk (256) 64-row ones (against 128).
 SPARSE_BM = 8
-# From this many rows a group on average the layer counts the products as prefill's (``k3jax.layers.moe``'s
-# ``TILED_MOE_AT_PREFILL``), below as decode's (``TILED_MOE_AT_DECODE``): 256 is `mini`'s 2048-token chunk.
-DENSE_ROWS_PER_GROUP = 256
 
 
 def default_bm(rows: int, groups: int) -> int:
@@ -186,5 +183,5 @@ def tiled_mx_matmul(x_tiled: Array, codes: Array, scales: Array, tile_groups: Ar
     )(tile_groups, codes, scales, x_tiled)
 
 
-__all__ = ["DEFAULT_BLOCKS", "DEFAULT_BM", "DENSE_ROWS_PER_GROUP", "SPARSE_BM", "default_bm", "group_tiles",
+__all__ = ["DEFAULT_BLOCKS", "DEFAULT_BM", "SPARSE_BM", "default_bm", "group_tiles",
            "grouped_mx_matmul_mosaic", "tiled_mx_matmul", "tiled_operand", "tiled_row_count", "tiled_rows"]
