@@ -27,7 +27,9 @@ Each switch turns one change off (module attributes read while a step is traced)
 - conv kernel: ``k3jax.layers.kda.CONV_IN_MAPS`` False (at one row KDA's short convs and SiLU in a kernel of their
   own after the input maps' matvec kernel, not in its epilogue);
 - sorted MoE at decode: ``k3jax.layers.moe.TILED_MOE_AT_DECODE`` False (below the prefill's density the routed
-  experts by the sorted dispatch or, up to 64 pairs, the fused kernels, not the tiled Mosaic GPU MoE).
+  experts by the sorted dispatch or, up to 64 pairs, the fused kernels, not the tiled Mosaic GPU MoE);
+- mix by XLA: ``k3jax.layers.basic.MIX_KERNEL_ANY_ROWS`` False (at more than one row the AttnRes mixes and the
+  norms after them by XLA's fusions, not ``pallas_kernels.depth_mix``; one row keeps the kernel).
 A candidate turns a form on that is not the default yet (``CANDIDATES``; none now).
 Variants: the default, each switch alone, each candidate alone, all the changes off, all the candidates on.
 Also prints each variant's first logits against the default's (with random bf16 weights the model amplifies
@@ -70,6 +72,7 @@ OFF = {  # a change's name -> (owner, attribute, value with the change off)
     "h interleaved": (moe_split, "PLANAR_H_MAX_TOKENS", 0),
     "conv kernel": (kda, "CONV_IN_MAPS", False),
     "sorted MoE at decode": (moe_layer, "TILED_MOE_AT_DECODE", False),
+    "mix by XLA": (basic, "MIX_KERNEL_ANY_ROWS", False),
 }
 CANDIDATES = {}  # a candidate's name -> (owner, attribute, value with it on)
 SWITCHES = Switches(OFF, CANDIDATES)

@@ -162,7 +162,8 @@ def main() -> None:
                 start, lengths = jnp.zeros((1,), jnp.int32), jnp.full((1,), T, jnp.int32)
                 print(f"\n## prefill chunk of {C} tokens (of {T})")
                 last = jnp.full((1,), C - 1, jnp.int32)
-                times = device_times(lambda: gen._extend(gen._weights, chunk, gen.init_cache(1), start, lengths, last)[0],
+                times = device_times(lambda: gen._extend(gen._weights, chunk, gen.init_cache(1), start, lengths, last,
+                                                             head=False)[0],
                                      calls=2)
                 print(kernel_table(times, source_paths(dumped_hlo(args.profile, "extend")), top=args.profile_top))
             mla = cfg.mla

@@ -15,7 +15,9 @@ Each switch turns one change off (module attributes read while a prefill chunk i
   each tap a slice of the state and x concatenated, not x delayed;
 - sorted MoE dispatch: ``k3jax.layers.moe.TILED_MOE_AT_PREFILL`` False (the routed experts of
   `mini`'s 2048-token chunks by the sorted dispatch on the Triton grouped kernel, not by
-  ``pallas_kernels.mx_matmul.tiled_moe_mx``, the grouped Mosaic GPU kernel in its tiled layout).
+  ``pallas_kernels.mx_matmul.tiled_moe_mx``, the grouped Mosaic GPU kernel in its tiled layout);
+- mix by XLA: ``k3jax.layers.basic.MIX_KERNEL_ANY_ROWS`` False (the AttnRes mixes and the norms after them by
+  XLA's fusions, which re-read a block's sublayer outputs in each mix, not ``pallas_kernels.depth_mix``).
 A candidate turns a form on that is not the default yet (``CANDIDATES``; none at present).
 Variants: the default, each switch alone, each candidate alone, all the changes off. Also prints each
 variant's last-token logits against the default's. Each variant compiles its own 8K prefill (80-110 s each on the H200), so
@@ -31,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import k3jax.layers.basic as basic
 import k3jax.layers.kda as kda
 import k3jax.layers.moe as moe
 from k3jax import Generator, K3Model, preset, use_implementation
@@ -63,6 +66,7 @@ OFF = {  # a change's name -> (owner, attribute, value with the change off)
     "concatenated short convs": (kda, "_short_convs_xla", _concatenated_short_convs),
     "conv over a concatenation": (kda, "causal_conv", _causal_conv_over_concatenation),
     "sorted MoE dispatch": (moe, "TILED_MOE_AT_PREFILL", False),
+    "mix by XLA": (basic, "MIX_KERNEL_ANY_ROWS", False),
 }
 CANDIDATES: dict = {}  # a candidate's name -> (owner, attribute, value with it on)
 SWITCHES = Switches(OFF, CANDIDATES)

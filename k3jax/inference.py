@@ -86,14 +86,20 @@ class Generator:
         self._graph, params = nnx.split(model)
         self._weights, self._treedef = jax.tree_util.tree_flatten(params)
         self._model = model
-        self._extend = jax.jit(self._extend_fn, donate_argnums=2, static_argnames="window")
+        self._extend = jax.jit(self._extend_fn, donate_argnums=2, static_argnames=("window", "head"))
+        self._logits = jax.jit(self._logits_fn)
         self._decode = jax.jit(self._decode_fn, donate_argnums=2, static_argnames=("sampling", "window"),
                                compiler_options=decode_compiler_options())
         self._sample = jax.jit(sample, static_argnames="sampling")
 
-    def _extend_fn(self, weights, tokens, cache, start, lengths, logits_at=None, window=None):
-        model = nnx.merge(self._graph, jax.tree_util.tree_unflatten(self._treedef, weights))
-        return model.extend(tokens, cache, start, lengths, self.scan_layers, logits_at, window)
+    def _merged(self, weights) -> K3Model:
+        return nnx.merge(self._graph, jax.tree_util.tree_unflatten(self._treedef, weights))
+
+    def _extend_fn(self, weights, tokens, cache, start, lengths, logits_at=None, window=None, head=True):
+        return self._merged(weights).extend(tokens, cache, start, lengths, self.scan_layers, logits_at, window, head)
+
+    def _logits_fn(self, weights, hidden):
+        return self._merged(weights).logits(hidden)
 
     def _decode_fn(self, weights, tokens, cache, positions, key, sampling, window):
         logits, cache = self._extend_fn(weights, tokens[:, None], cache, positions, None, window=window)
@@ -139,24 +145,26 @@ class Generator:
                 )
 
     def prefill(self, prompts: Sequence[Sequence[int]], cache: list) -> tuple[Array, list]:
-        """Run right-padded prompts through the model in chunks. Returns (last-token logits [B, V], cache)."""
+        """Run right-padded prompts through the model in chunks. Returns (last-token logits [B, V], cache).
+        Each chunk keeps the final hidden state of the prompts that end in it; the output head runs once, after
+        the last chunk."""
         lengths = np.array([len(p) for p in prompts], np.int32)
         chunk = min(self.prefill_chunk, -(-int(lengths.max()) // 16) * 16)
         total = -(-int(lengths.max()) // chunk) * chunk
         tokens = np.zeros((len(prompts), total), np.int32)
         for i, p in enumerate(prompts):
             tokens[i, : len(p)] = p
-        last = jnp.zeros((len(prompts), self.cfg.vocab_size), jnp.float32)
+        last = None  # each prompt's final hidden state [B, D], once its last chunk has run
         lengths_dev = jnp.asarray(lengths)
         for start in range(0, total, chunk):
             starts = jnp.full((len(prompts),), start, jnp.int32)
             index = np.clip(lengths - 1 - start, 0, chunk - 1)  # each prompt's last token, within the chunk
-            logits, cache = self._extend(self._weights, jnp.asarray(tokens[:, start : start + chunk]), cache,
+            hidden, cache = self._extend(self._weights, jnp.asarray(tokens[:, start : start + chunk]), cache,
                                          starts, lengths_dev, jnp.asarray(index, jnp.int32),
-                                         window=self.window(start + chunk))
+                                         window=self.window(start + chunk), head=False)
             here = (lengths - 1 >= start) & (lengths - 1 < start + chunk)
-            last = jnp.where(jnp.asarray(here)[:, None], logits[:, 0], last)
-        return last, cache
+            last = jnp.where(jnp.asarray(here)[:, None], hidden[:, 0], hidden[:, 0] if last is None else last)
+        return self._logits(self._weights, last), cache
 
     def generate(
         self, prompts: Sequence[Sequence[int]], max_new_tokens: int, sampling: Sampling = Sampling(),

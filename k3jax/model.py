@@ -128,6 +128,11 @@ def _store_block(blocks: Array, n: Array, partial: Array, commit) -> tuple[Array
     return blocks, n + commit.astype(n.dtype)
 
 
+def _token_at(x: Array, index: Array) -> Array:
+    """x [..., B, T, D] -> [..., B, 1, D]: token index[b] of each sequence b."""
+    return x[..., jnp.arange(x.shape[-3]), index, :][..., None, :]
+
+
 class Positions(NamedTuple):
     """Where new tokens go in each cached sequence: start [B] (position of the first new token)
     and valid [B, T] (real tokens; a prefix of each row, the rest right padding; None: every new
@@ -227,7 +232,7 @@ class K3Model(nnx.Module):
 
     def _forward(
         self, tokens: Array, cache: list | None, ctx: Positions | None, scan_layers: bool = True,
-        logits_at: Array | None = None,
+        logits_at: Array | None = None, head: bool = True,
     ):
         cfg = self.cfg
         x = self.embed_tokens(tokens)
@@ -248,16 +253,19 @@ class K3Model(nnx.Module):
         out_weights = None
         if block:
             blocks, n, partial = carry
+            if logits_at is not None:  # mix only the tokens the head reads
+                blocks, partial = _token_at(blocks, logits_at), _token_at(partial, logits_at)
             with jax.named_scope("attn_res"):
                 x, out_weights = self.output_attn_res(blocks, n, partial)
         else:
-            x = carry
-        if logits_at is not None:
-            x = x[jnp.arange(x.shape[0]), logits_at][:, None]
-        with jax.named_scope("lm_head"):
-            logits = self.lm_head(self.norm(x)).astype(jnp.float32)
+            x = carry if logits_at is None else _token_at(carry, logits_at)
         mix = MixWeights(jnp.concatenate(weights), out_weights) if block else None
-        return logits, mix, new_cache
+        return (self.logits(x) if head else x), mix, new_cache
+
+    def logits(self, x: Array) -> Array:
+        """Final hidden states [..., D] (after the output mix) -> logits [..., V] float32: the norm and the head."""
+        with jax.named_scope("lm_head"):
+            return self.lm_head(self.norm(x)).astype(jnp.float32)
 
     def __call__(self, tokens: Array, return_mix_weights: bool = False, scan_layers: bool = True):
         """Full causal forward of tokens [B, T] (no cache): logits [B, T, V] float32.
@@ -273,7 +281,7 @@ class K3Model(nnx.Module):
 
     def extend(
         self, tokens: Array, cache: list, start: Array, lengths: Array | None, scan_layers: bool = True,
-        logits_at: Array | None = None, window: int | None = None,
+        logits_at: Array | None = None, window: int | None = None, head: bool = True,
     ) -> tuple[Array, list]:
         """Continue cached sequences: tokens [B, T] at positions start[b] + t; a sequence's tokens at
         or beyond lengths[b] are right padding (lengths None: none is). Returns (logits [B, T, V]
@@ -281,10 +289,11 @@ class K3Model(nnx.Module):
         by ``init_cache`` with the same ``scan_layers``. ``logits_at`` [B] (indices into the T new
         tokens) computes the head at one token per sequence only: logits [B, 1, V]. ``window``
         (static) lets the MLA layers read only the first ``window`` cache positions; it must exceed
-        the position of every real new token."""
+        the position of every real new token. ``head`` False returns the final hidden states [B, T or 1, D]
+        instead of logits (``logits`` makes them), for a prefill chunk that ends no prompt."""
         valid = None if lengths is None else start[:, None] + jnp.arange(tokens.shape[1]) < lengths[:, None]
-        logits, _, cache = self._forward(tokens, cache, Positions(start, valid, window), scan_layers, logits_at)
-        return logits, cache
+        out, _, cache = self._forward(tokens, cache, Positions(start, valid, window), scan_layers, logits_at, head)
+        return out, cache
 
 
 __all__ = ["K3Model", "DecoderLayer", "MixWeights", "Positions", "layer_groups"]

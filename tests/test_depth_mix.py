@@ -76,3 +76,28 @@ def test_moe_reads_a_depth_mix_as_its_value(latent):
     norm = RMSNorm(d, 1e-6)
     np.testing.assert_allclose(np.asarray(moe(mix, norm=norm)), np.asarray(moe(mix.value(), norm=norm)), rtol=1e-6,
                                atol=1e-6)
+
+
+def test_project_mixes_many_rows_in_the_kernel(monkeypatch):
+    """On the Pallas path a ``DepthMix`` of many rows (a prefill chunk's) reaches ``project`` as one mix + norm
+    kernel (``MIX_KERNEL_ANY_ROWS``), whose maps equal XLA's mix, norm and einsum; off, XLA mixes."""
+    from k3jax.implementation import use_implementation
+    from k3jax.layers import basic
+
+    blocks, partial, site_norm, site_proj, norm_weight = _inputs(12, jnp.float32, seed=9)
+    new_mix = lambda: DepthMix(blocks.reshape(3, 2, 6, DEPTH), 2, partial.reshape(2, 6, DEPTH), site_norm, site_proj,
+                               MIX_EPS)  # one per trace: a mix keeps its value once computed
+    norm = RMSNorm(DEPTH, EPS)
+    norm.weight.set_value(norm_weight)
+    w = jax.random.normal(jax.random.key(4), (40, DEPTH)) * DEPTH**-0.5
+    outs, kernels = {}, {}
+    for on in (True, False):
+        monkeypatch.setattr(basic, "MIX_KERNEL_ANY_ROWS", on)
+        with use_implementation("pallas"):
+            f = lambda w: basic.project(new_mix(), [w], norm=norm)[0]  # a fresh function: the switch is read when traced
+            kernels[on] = str(jax.make_jaxpr(f)(w)).count("name=mix_norm")
+            outs[on] = jax.jit(f)(w)
+    assert (kernels[True], kernels[False]) == (1, 0)
+    want = jnp.einsum("btd,od->bto", rms_norm(new_mix().value(), norm_weight, EPS), w, precision="highest")
+    for on in (True, False):
+        np.testing.assert_allclose(np.asarray(outs[on]), np.asarray(want), rtol=1e-5, atol=1e-5)

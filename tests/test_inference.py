@@ -237,6 +237,7 @@ def test_pallas_batch_one_decode_matvec_kernel_equals_einsums(monkeypatch):
         _, prefilled = with_kernel.prefill([list(seq[:7])], with_kernel.init_cache(1))
         for name, rows in (("kernel", 1), ("einsums", 0)):
             monkeypatch.setattr(basic, "MATVEC_KERNEL_ROWS", rows)  # read when the decode step is traced
+            monkeypatch.setattr(basic, "MIX_KERNEL_ANY_ROWS", rows > 0)
             gen = with_kernel if name == "kernel" else Generator(built.model, max_len=16, attend_block=16)
             cache = jax.tree.map(jnp.copy, prefilled)  # each decode donates its cache
             logits = []

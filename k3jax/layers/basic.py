@@ -67,6 +67,10 @@ MATVEC_KERNEL_ROWS = 1
 # issue 4) the shared expert's 768-wide SiTU in the kernel took 10.5 us a call against 15.4 for XLA's
 # act + einsum, the dense MLP's 5632-wide one 14.1-16.4 us against 11.0: wider inputs stay on XLA.
 ACT_PROLOGUE_MAX_WIDTH = 1024
+# Whether the Pallas path off TPU mixes a Block AttnRes ``DepthMix`` and norms it in one small kernel
+# (``pallas_kernels.depth_mix``) at any number of rows (prefill chunks, batched decode), not only where the matvec
+# kernel reads it (one row); False: XLA's fusions there (a switch for the benchmarks' variants).
+MIX_KERNEL_ANY_ROWS = True
 # Whether ``project``'s kernel path adds its ``add`` arrays in the matvec kernel (else XLA adds after
 # it; a switch for ``benchmarks/decode_variants.py``).
 ADD_IN_KERNEL = True
@@ -159,7 +163,8 @@ def project(x: "Array | DepthMix | Activated", weights: Sequence[Array], dtypes:
     """x [..., D] times each weight [N_i, D]^T, as ``einsum(x.astype(dt), w.astype(dt))`` with dt =
     dtypes[i] (default x's dtype as prepared below; float32 sums): what ``Linear`` computes, or the
     router's float32 logits. x is prepared first, in this order: a Block AttnRes ``DepthMix`` is
-    mixed; x (an ``Activated``'s two inputs) rounded to ``read_as``; an ``Activated`` applied;
+    mixed (and normed with it by ``pallas_kernels.depth_mix`` on the Pallas path off TPU:
+    ``MIX_KERNEL_ANY_ROWS``); x (an ``Activated``'s two inputs) rounded to ``read_as``; an ``Activated`` applied;
     RMS-normed by ``norm``. ``add`` (with one weight only): arrays [..., N] added to the output in
     turn, each sum rounded to the output's dtype (a residual, a shared expert's output).
 
@@ -182,7 +187,7 @@ def project(x: "Array | DepthMix | Activated", weights: Sequence[Array], dtypes:
                          "off TPU)")
     dtypes = [_input_dtype(x, read_as)] * len(weights) if dtypes is None else list(dtypes)
     if isinstance(x, DepthMix):
-        x, norm = _mixed(x, norm, kernel)
+        x, norm = _mixed(x, norm, kernel or (MIX_KERNEL_ANY_ROWS and triton_kernels()))
     if kernel:
         from pallas_kernels.matvec import matvecs
 
@@ -235,4 +240,4 @@ class Embed(nnx.Module):
 
 __all__ = ["Rngs", "Keys", "Linear", "RMSNorm", "Embed", "normal", "materialize", "project", "takes_matvec_kernel",
            "add_rounded", "Activated",
-           "ACT_PROLOGUE_MAX_WIDTH", "ADD_IN_KERNEL", "MATVEC_KERNEL_ROWS"]
+           "ACT_PROLOGUE_MAX_WIDTH", "ADD_IN_KERNEL", "MATVEC_KERNEL_ROWS", "MIX_KERNEL_ANY_ROWS"]
