@@ -6,8 +6,9 @@ the k experts with the largest ``scores + correction_bias`` (ties to the lower i
 ``lax.top_k``), weighted by their scores (not the bias), renormalized to sum 1 if asked, times the
 scaling factor. XLA runs this as
 about ten small kernels (top-k alone is three); at decode sizes each costs more than its work, so
-here one program per token does it all: k rounds of argmax over the token's E scores. Triton needs
-power-of-two widths: E and k are padded (-inf logits, unused slots dropped).
+here one kernel does it all: k rounds of argmax over each token's E scores, for a block of tokens per
+program (``SELECT_BLOCK_LOGITS``). Triton needs power-of-two widths: E and k are padded (-inf logits,
+unused slots dropped), and the tokens to whole blocks.
 
 ``expert_ranks``, ``slot_expert`` and ``slot_weight`` make one slot's choice inside another kernel (the
 batch-1 routed MoE's hidden kernel, ``pallas_kernels.mx_matmul.moe_split``, which needs the expert before
@@ -26,6 +27,7 @@ from jax.experimental import pallas as pl
 
 from k3jax.implementation import pallas_interpret
 from k3jax.typing import Array
+from pallas_kernels._triton import triton_params
 
 
 def _scores_and_choice(logits: Array, bias: Array) -> tuple[Array, Array]:
@@ -35,9 +37,14 @@ def _scores_and_choice(logits: Array, bias: Array) -> tuple[Array, Array]:
     return scores, jnp.where(jnp.isneginf(logits), -jnp.inf, scores + bias)
 
 
+# Router logits per program of ``select_experts``: a block of this many over E' (at least one token). 0: one token
+# per program.
+SELECT_BLOCK_LOGITS = 1024
+
+
 def _select_kernel(logits_ref, bias_ref, weights_ref, experts_ref, *, k: int, renormalize: bool, scaling: float):
-    """Refs: logits [1, E'] float32 (padding -inf), bias [1, E'], weights [1, k'] float32, experts
-    [1, k'] int32 (k' >= k; slots past k are left zero)."""
+    """Refs: logits [R, E'] float32 (padding -inf), bias [1, E'], weights [R, k'] float32, experts
+    [R, k'] int32 (k' >= k; slots past k are left zero), R tokens."""
     scores, choice = _scores_and_choice(logits_ref[...], bias_ref[...])
     lanes = jax.lax.broadcasted_iota(jnp.int32, choice.shape, 1)
     slots = jax.lax.broadcasted_iota(jnp.int32, weights_ref.shape, 1)
@@ -100,32 +107,39 @@ def slot_weight(scores: Array, rank: Array, slot, k: int, renormalize: bool, sca
     return weight * scaling
 
 
-@functools.partial(jax.jit, static_argnames=("k", "renormalize", "scaling_factor", "interpret"))
-def _select(logits, correction_bias, *, k, renormalize, scaling_factor, interpret):
+@functools.partial(jax.jit, static_argnames=("k", "renormalize", "scaling_factor", "block_logits", "interpret"))
+def _select(logits, correction_bias, *, k, renormalize, scaling_factor, block_logits, interpret):
     T = logits.shape[0]
     logits, bias = padded_router_inputs(logits, correction_bias)
     width, slots = logits.shape[1], pl.next_power_of_2(k)
-    row = lambda n: pl.BlockSpec((1, n), lambda t: (t, 0))
+    fit = max(block_logits // width, 1)
+    rows = min(1 << (fit.bit_length() - 1), pl.next_power_of_2(T))  # a power of two, as Triton's blocks are
+    padded = -(-T // rows) * rows
+    logits = jnp.pad(logits, ((0, padded - T), (0, 0)))  # padding tokens pick from zero logits; dropped below
+    block = lambda n: pl.BlockSpec((rows, n), lambda t: (t, 0))
     weights, experts = pl.pallas_call(
         functools.partial(_select_kernel, k=k, renormalize=renormalize, scaling=scaling_factor),
-        out_shape=(jax.ShapeDtypeStruct((T, slots), jnp.float32), jax.ShapeDtypeStruct((T, slots), jnp.int32)),
-        grid=(T,),
-        in_specs=[row(width), pl.BlockSpec((1, width), lambda t: (0, 0))],
-        out_specs=(row(slots), row(slots)),
+        out_shape=(jax.ShapeDtypeStruct((padded, slots), jnp.float32),
+                   jax.ShapeDtypeStruct((padded, slots), jnp.int32)),
+        grid=(padded // rows,),
+        in_specs=[block(width), pl.BlockSpec((1, width), lambda t: (0, 0))],
+        out_specs=(block(slots), block(slots)),
+        compiler_params=triton_params(4, 1, interpret),
         interpret=interpret,
         name="select_experts",
     )(logits, bias)
-    return weights[:, :k], experts[:, :k]
+    return weights[:T, :k], experts[:T, :k]
 
 
 def select_experts(logits: Array, correction_bias: Array, k: int, renormalize: bool, scaling_factor: float, *,
                    interpret: bool | None = None) -> tuple[Array, Array]:
     """logits [T, E] (the router's x . gate_weight^T, float32), correction_bias [E] -> (weights
-    [T, k] float32, experts [T, k] int32), as ``k3jax.functional.moe.select_experts``."""
+    [T, k] float32, experts [T, k] int32), as ``k3jax.functional.moe.select_experts``; blocks of tokens per
+    program by ``SELECT_BLOCK_LOGITS``, read at the call."""
     check_router_inputs(logits, correction_bias, k)
     interpret = pallas_interpret() if interpret is None else interpret
     return _select(logits, correction_bias, k=k, renormalize=renormalize, scaling_factor=float(scaling_factor),
-                   interpret=interpret)
+                   block_logits=SELECT_BLOCK_LOGITS, interpret=interpret)
 
 
 __all__ = ["check_router_inputs", "expert_ranks", "padded_router_inputs", "select_experts", "slot_expert",

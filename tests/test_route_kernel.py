@@ -10,10 +10,17 @@ from k3jax.functional.moe import select_experts as reference
 from pallas_kernels.route import select_experts
 
 
-@pytest.mark.parametrize("experts,k,renormalize", [(48, 6, True), (64, 8, False)])
-def test_matches_reference_on_random_logits(experts, k, renormalize):
-    kl, kb = jax.random.split(jax.random.key(experts))
-    logits = 2.0 * jax.random.normal(kl, (5, experts), jnp.float32)
+@pytest.mark.parametrize("experts,k,renormalize,tokens,block_logits", [
+    (48, 6, True, 5, 1024),  # one block of 8 tokens, 3 of them padding
+    (64, 8, False, 37, 1024),  # three blocks of 16
+    (64, 8, True, 5, 0),  # a token per program
+])
+def test_matches_reference_on_random_logits(experts, k, renormalize, tokens, block_logits, monkeypatch):
+    import pallas_kernels.route as route
+
+    monkeypatch.setattr(route, "SELECT_BLOCK_LOGITS", block_logits)
+    kl, kb = jax.random.split(jax.random.key(experts + tokens))
+    logits = 2.0 * jax.random.normal(kl, (tokens, experts), jnp.float32)
     bias = 0.3 * jax.random.normal(kb, (experts,), jnp.float32)
     weights, chosen = select_experts(logits, bias, k, renormalize, 2.5)
     ref_weights, ref_chosen = reference(logits, bias, k, renormalize, 2.5)
@@ -34,3 +41,11 @@ def test_bad_arguments_are_refused():
         select_experts(jnp.zeros((2, 8)), jnp.zeros((7,)), 2, True, 1.0)
     with pytest.raises(ValueError, match="k = 9"):
         select_experts(jnp.zeros((2, 8)), jnp.zeros((8,)), 9, True, 1.0)
+
+
+@pytest.mark.parametrize("tokens,experts", [(1, 64), (2048, 64), (64, 896)])
+def test_lowers_for_cuda_through_triton(tokens, experts):
+    """Pallas' Triton lowering of the kernel at a decode step's, a prefill chunk's and K3's widths, on the CPU."""
+    f = lambda logits, bias: select_experts(logits, bias, 8, True, 1.0, interpret=False)
+    args = [jax.ShapeDtypeStruct((tokens, experts), jnp.float32), jax.ShapeDtypeStruct((experts,), jnp.float32)]
+    assert "xla.gpu.triton" in jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
