@@ -11,8 +11,6 @@ Each switch turns one change off (module attributes read while a prefill chunk i
   by ``pallas_kernels.prefill_attention`` over keys expanded from the latents);
 - concatenated short convs: KDA's short convs as one conv over q, k and v side by side, split after
   (the form before the thirteenth session), not one conv per input;
-- conv over a concatenation: ``k3jax.functional.conv.causal_conv`` as before the twenty-eighth session,
-  each tap a slice of the state and x concatenated, not x delayed;
 - sorted MoE dispatch: ``k3jax.layers.moe.TILED_MOE_AT_PREFILL`` False (the routed experts of
   `mini`'s 2048-token chunks by the sorted dispatch on the Triton grouped kernel, not by
   ``pallas_kernels.mx_matmul.tiled_moe_mx``, the grouped Mosaic GPU kernel in its tiled layout);
@@ -48,23 +46,9 @@ def _concatenated_short_convs(xs, taps, state, lengths):
     return (*jnp.split(jax.nn.silu(y), len(xs), axis=-1), state)
 
 
-def _causal_conv_over_concatenation(x, weight, state=None, lengths=None):
-    """``causal_conv`` as it was before the twenty-eighth session: each tap a slice of the state and x
-    concatenated (an array XLA writes out, then reads at W offsets)."""
-    B, T, F = x.shape
-    W = weight.shape[-1]
-    state = jnp.zeros((B, W - 1, F), jnp.float32) if state is None else state.astype(jnp.float32)
-    padded = jnp.concatenate([state, x.astype(jnp.float32)], axis=1)
-    y = sum(padded[:, j : j + T] * weight.astype(jnp.float32)[:, j] for j in range(W))
-    if lengths is None:
-        return y, padded[:, T:]
-    return y, jax.vmap(lambda row, n: jax.lax.dynamic_slice_in_dim(row, n, W - 1, axis=0))(padded, lengths)
-
-
 OFF = {  # a change's name -> (owner, attribute, value with the change off)
     "absorbed MLA prefill": (MLA, "_flash_kernel", lambda self: False),
     "concatenated short convs": (kda, "_short_convs_xla", _concatenated_short_convs),
-    "conv over a concatenation": (kda, "causal_conv", _causal_conv_over_concatenation),
     "sorted MoE dispatch": (moe, "TILED_MOE_AT_PREFILL", False),
     "mix by XLA": (basic, "MIX_KERNEL_ANY_ROWS", False),
 }

@@ -11,10 +11,10 @@ XLA runs a mix as a fusion of 128 programs that each recompute the softmax over 
 3.9 us a mix on the H200 at mini's D = 2048); done inside every program of the matvec kernel that
 reads it, the recomputation cost more than it saved (sixth session, benchmarks/RESULTS.md). Here
 one program per row loads its sources once, whole (D padded to a power of two, masked), and writes
-the normed row that the matvec kernel then reads without a norm of its own. For many rows (a prefill
-chunk) each source is read once: XLA's fusions, writing no partial sum between sublayers, re-read
-each of the block's sublayer outputs in every mix and read the sources twice (scores, then sum).
-Interpret mode on CPU.
+the normed row that the matvec kernel then reads without a norm of its own. The Pallas path takes it
+at every row count (``k3jax.layers.basic.MIX_KERNEL_ANY_ROWS``): on the H200 the batched decode steps
+were faster with it (B=64 2.26 against 2.40 ms, best of 8 rounds), an 8K prefill chunk no different (twenty-ninth
+session). Interpret mode on CPU.
 """
 
 from __future__ import annotations
