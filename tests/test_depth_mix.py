@@ -93,8 +93,8 @@ def test_project_mixes_many_rows_in_the_kernel(monkeypatch):
     outs, kernels = {}, {}
     for on in (True, False):
         monkeypatch.setattr(basic, "MIX_KERNEL_ANY_ROWS", on)
-        with use_implementation("pallas"):
-            f = lambda w: basic.project(new_mix(), [w], norm=norm)[0]  # a fresh function: the switch is read when traced
+        with use_implementation("pallas"):  # a fresh function below: the switch is read when traced
+            f = lambda w: basic.project(new_mix(), [w], norm=norm)[0]
             kernels[on] = str(jax.make_jaxpr(f)(w)).count("name=mix_norm")
             outs[on] = jax.jit(f)(w)
     assert (kernels[True], kernels[False]) == (1, 0)
