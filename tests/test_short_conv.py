@@ -68,4 +68,5 @@ def test_causal_conv_matches_a_loop(tokens, ragged):
     seq = np.concatenate([state, x], axis=1)
     want = np.stack([sum(weight[:, j] * seq[:, t + j] for j in range(taps)) for t in range(tokens)], axis=1)
     np.testing.assert_allclose(np.asarray(y), want, rtol=1e-6, atol=1e-6)
-    np.testing.assert_array_equal(np.asarray(new_state), np.stack([seq[b, n : n + taps - 1] for b, n in enumerate(lengths)]))
+    want_state = np.stack([seq[b, n : n + taps - 1] for b, n in enumerate(lengths)])
+    np.testing.assert_array_equal(np.asarray(new_state), want_state)

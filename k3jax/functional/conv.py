@@ -10,12 +10,12 @@ from k3jax.typing import Array
 def _delayed(x: Array, state: Array, s: int) -> Array:
     """x [B, T, F] delayed by s steps along T, the state [B, W-1, F] (the inputs before x) filling the
     first s: rows [W-1-s, W-1-s+T) of the state and x side by side, without building that array."""
-    T, W = x.shape[1], state.shape[1] + 1
+    T, first = x.shape[1], state.shape[1] - s  # the state's first row that the delayed x reads
     if s == 0:
         return x
     if s >= T:
-        return state[:, W - 1 - s : W - 1 - s + T]
-    return jnp.concatenate([state[:, W - 1 - s :], x[:, : T - s]], axis=1)
+        return state[:, first : first + T]
+    return jnp.concatenate([state[:, first:], x[:, : T - s]], axis=1)
 
 
 def _last_inputs(x: Array, state: Array, lengths: Array | None) -> Array:

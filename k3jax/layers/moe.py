@@ -49,8 +49,8 @@ class Experts(nnx.Module):
 # The Pallas path takes the routed experts of MXFP4 layers through the grouped Mosaic GPU kernel in its tiled layout
 # (``pallas_kernels.mx_matmul.tiled_moe_mx``), in tiles by the kernel's own density rule
 # (``mosaic_gpu_grouped.default_bm``); False: the sorted dispatch there.
-# From this many pairs per expert on average the layer counts its routed products as prefill's (``TILED_MOE_AT_PREFILL``),
-# below as decode's (``TILED_MOE_AT_DECODE``): 256 is `mini`'s 2048-token chunk.
+# From this many pairs per expert on average the layer counts its routed products as prefill's
+# (``TILED_MOE_AT_PREFILL``), below as decode's (``TILED_MOE_AT_DECODE``): 256 is `mini`'s 2048-token chunk.
 PREFILL_PAIRS_PER_EXPERT = 256
 # Prefill: at `mini`'s 2048-token chunk the MoE alone measured 20% faster than the sorted dispatch and the whole 8K
 # prefill 60.9 against 66.6 ms (benchmarks/RESULTS.md, issue 4, sixteenth session).
