@@ -37,7 +37,7 @@ def _model(args):
 
 
 def _generate(args) -> int:
-    from k3jax.inference import Generator
+    from k3jax.inference import DEFAULT_PREFILL_CHUNK, Generator
     from k3jax.sampling import Sampling
     from k3jax.tokenizer import load_tokenizer
 
@@ -50,7 +50,8 @@ def _generate(args) -> int:
     tokenizer = load_tokenizer(path)
     prompt = tokenizer.encode(args.prompt)
     eos = model.cfg.extra.get("eos_token_id", tokenizer.eos_id)
-    generator = Generator(model, max_len=len(prompt) + args.max_tokens, prefill_chunk=args.prefill_chunk)
+    chunk = DEFAULT_PREFILL_CHUNK if args.prefill_chunk is None else args.prefill_chunk
+    generator = Generator(model, max_len=len(prompt) + args.max_tokens, prefill_chunk=chunk)
     print(f"[{model.cfg.name}: {model.cfg.num_layers} layers, loaded in {time.perf_counter() - start:.1f} s]",
           file=sys.stderr)
     print(args.prompt, end="", flush=True)
@@ -106,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--top-k", type=int, default=0, help="0 = off")
     gen.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
     gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--prefill-chunk", type=int, default=256)
+    gen.add_argument("--prefill-chunk", type=int, default=None,
+                     help="prompt tokens per prefill call (default: k3jax.inference.DEFAULT_PREFILL_CHUNK, 2048)")
     gen.add_argument("--stream", action="store_true", help="print tokens as they come")
     gen.set_defaults(func=_generate)
 

@@ -48,6 +48,9 @@ class Generation:
 # XLA's one-stream schedule, so kernels that share no buffer may run side by side: on the H200
 # the B=64 step of `mini` took 2.73 ms against 3.11 (benchmarks/RESULTS.md, issue 4, tenth session).
 DECODE_GPU_OPTIONS = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
+# Prompt tokens per prefill call: on the H200 a 4096-token `mini` prompt took 35.3 ms in chunks of 2048 against
+# 67.6 in chunks of 256, with as many compiles (benchmarks/RESULTS.md, issue 4, thirtieth session).
+DEFAULT_PREFILL_CHUNK = 2048
 
 
 def decode_compiler_options() -> dict | None:
@@ -70,7 +73,7 @@ class Generator:
     """
 
     def __init__(
-        self, model: K3Model, max_len: int = 2048, prefill_chunk: int = 256, cache_dtype=None,
+        self, model: K3Model, max_len: int = 2048, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, cache_dtype=None,
         scan_layers: bool = False, attend_block: int = 256,
     ):
         if max_len < 2:
@@ -205,4 +208,4 @@ class Generator:
         return Generation(out, t1 - t0, time.perf_counter() - t2 if timed else 0.0, timed)
 
 
-__all__ = ["Generator", "Generation"]
+__all__ = ["DEFAULT_PREFILL_CHUNK", "Generator", "Generation"]
