@@ -93,9 +93,9 @@ class DecoderLayer(nnx.Module):
         x, cache = self.attention(x, cache, ctx, residual=x)
         return self.ffn(x, residual=x), jnp.zeros((), x.dtype), cache
 
-    def attn_res(self, carry: tuple[Array, Array, Array], commit: "bool | Array", cache=None, ctx=None):
-        """K3's Block AttnRes step. carry = (blocks [N, B, T, D], n_blocks, x); ``commit`` (a Python
-        bool for unrolled layers, a traced one in a scan) says this layer starts a block. Returns the
+    def attn_res(self, carry: tuple[Array, "Array | int", Array], commit: "bool | Array", cache=None, ctx=None):
+        """K3's Block AttnRes step. carry = (blocks [N, B, T, D], n_blocks, x); ``commit`` and n_blocks (Python
+        values for unrolled layers, traced ones in a scan) say whether this layer starts a block and how many are stored. Returns the
         new carry, the two mixes' weights [2, N+1, B, T] and the layer's cache."""
         blocks, n, partial = carry
         h = self.self_attention_res.deferred(blocks, n, partial)  # computed by its reader (``project``)
@@ -239,7 +239,9 @@ class K3Model(nnx.Module):
         block = cfg.attn_res_block_size
         if block:
             blocks = jnp.zeros((-(-cfg.num_layers // block), *x.shape), x.dtype)
-            carry = (blocks, jnp.asarray(0, jnp.int32), x)
+            # unrolled, the block count is a Python int: each mix then reads the stored blocks, not a buffer
+            # XLA would write out for it (``pallas_kernels.depth_mix.mix_norm``)
+            carry = (blocks, jnp.asarray(0, jnp.int32) if scan_layers else 0, x)
             step = lambda layer, c, i, lc: layer.attn_res(c, i % block == 0, lc, ctx)
         else:
             carry = x

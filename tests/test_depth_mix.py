@@ -31,11 +31,17 @@ def _inputs(m: int, dtype, seed: int):
 
 @pytest.mark.parametrize("m,count,dtype,norm", [(1, 2, jnp.bfloat16, True), (3, 0, jnp.float32, True),
                                                 (3, 3, jnp.bfloat16, False)])
-def test_mix_norm_matches_mix_then_norm(m, count, dtype, norm):
-    """Blocks past ``count`` hold random values the mix must ignore."""
+@pytest.mark.parametrize("form", ["static count", "traced count", "sequence"])
+def test_mix_norm_matches_mix_then_norm(m, count, dtype, norm, form):
+    """Blocks past ``count`` hold random values the mix must ignore; the count a Python int (the kernel reads the
+    first count blocks as operands of their own), a traced one (the whole stack, masked), or the valid blocks
+    handed as a sequence."""
     blocks, partial, site_norm, site_proj, norm_weight = _inputs(m, dtype, seed=m + count)
     rms = (norm_weight, EPS) if norm else None
-    out = mix_norm(partial, blocks, count, site_norm, site_proj, MIX_EPS, rms)
+    given = {"static count": (blocks, count), "traced count": (blocks, jnp.asarray(count)),
+             "sequence": (list(blocks[:count]), None)}[form]
+    out = jax.jit(lambda p, b, n: mix_norm(p, b, n, site_norm, site_proj, MIX_EPS, rms),
+                  static_argnums=2 if form == "static count" else ())(partial, *given)
     mixed, weights = attn_res_mix(blocks[:, :, None], count, partial[:, None], site_norm, site_proj, MIX_EPS)
     assert float(jnp.max(weights)) > 0.5  # one source dominates: the scores matter
     ref = mixed[:, 0].astype(dtype)
@@ -61,6 +67,12 @@ def test_bad_inputs_are_refused():
         mix_norm(partial, jnp.zeros((3, 2, 64)), 1, w, jnp.ones((32,)), MIX_EPS)
     with pytest.raises(ValueError, match="norm weight must hold D = 64"):
         mix_norm(partial, jnp.zeros((3, 2, 64)), 1, w, w, MIX_EPS, (jnp.ones((8,)), EPS))
+    with pytest.raises(ValueError, match="count must be from 0 to N = 3"):
+        mix_norm(partial, jnp.zeros((3, 2, 64)), 4, w, w, MIX_EPS)
+    with pytest.raises(ValueError, match="give None with a sequence"):
+        mix_norm(partial, [jnp.zeros((2, 64))], 1, w, w, MIX_EPS)
+    with pytest.raises(ValueError, match=r"each be \[M, D\] = \(2, 64\)"):
+        mix_norm(partial, [jnp.zeros((2, 64)), jnp.zeros((1, 64))], None, w, w, MIX_EPS)
 
 
 @pytest.mark.parametrize("latent", [None, 16])
@@ -101,3 +113,37 @@ def test_project_mixes_many_rows_in_the_kernel(monkeypatch):
     want = jnp.einsum("btd,od->bto", rms_norm(new_mix().value(), norm_weight, EPS), w, precision="highest")
     for on in (True, False):
         np.testing.assert_allclose(np.asarray(outs[on]), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def _mix_calls(jaxpr) -> list:
+    """The operand shapes of every mix + norm kernel in a jaxpr, nested jaxprs (jit, scan) included."""
+    calls = []
+    for eqn in jaxpr.eqns:
+        name = eqn.params.get("name") or getattr(eqn.params.get("name_and_src_info"), "name", "")  # JAX 0.10 / 0.11
+        if eqn.primitive.name == "pallas_call" and name == "mix_norm":
+            calls.append([v.aval.shape for v in eqn.invars])
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    calls += _mix_calls(sub)
+    return calls
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_unrolled_model_mixes_read_the_stored_blocks(scan_layers):
+    """Unrolled, the model's block count is a Python int and every mix kernel takes the stored blocks as [M, D]
+    operands of their own (no stack for XLA to write out before it); in a scan, each takes the stack and a count."""
+    from k3jax import K3Model, preset, use_implementation
+
+    cfg = preset("tiny")
+    model = K3Model(cfg, rngs=nnx.Rngs(0))
+    with use_implementation("pallas"):
+        calls = _mix_calls(jax.make_jaxpr(lambda t: model(t, scan_layers=scan_layers))(jnp.zeros((1, 8), jnp.int32)))
+    ranks = [max(len(shape) for shape in call) for call in calls]
+    if scan_layers:  # a scanned group's body traced once
+        assert calls and set(ranks) == {3}
+    else:
+        assert len(calls) == 2 * cfg.num_layers
+        # partial, blocks, site weights, norm weight: one operand more for each stored block
+        assert set(ranks) == {2} and max(map(len, calls)) == 4 + -(-cfg.num_layers // cfg.attn_res_block_size)

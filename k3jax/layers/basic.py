@@ -116,6 +116,15 @@ def materialize(x: "Array | DepthMix") -> Array:
     return x.value() if isinstance(x, DepthMix) else x
 
 
+def _mix_blocks(mix: DepthMix, rows: DepthMix) -> tuple:
+    """``mix_norm``'s blocks and count for a mix (``rows``: the same over [M, D]): a Python int count (unrolled
+    layers) gives the stored blocks, each sliced before its reshape, so XLA finds the arrays the layers stored
+    (see ``mix_norm``); a traced one the stack and the count."""
+    if isinstance(mix.n_blocks, int):
+        return [mix.blocks[i].reshape(rows.shape) for i in range(mix.n_blocks)], None
+    return rows.blocks, rows.n_blocks
+
+
 def _mixed(mix: DepthMix, norm: "RMSNorm | None", kernel: bool) -> tuple[Array, "RMSNorm | None"]:
     """A Block AttnRes mix's value and the norm still to apply: with ``kernel``, mixed and normed in
     one small kernel (``pallas_kernels.depth_mix``), else by XLA (the norm left to the caller)."""
@@ -124,7 +133,7 @@ def _mixed(mix: DepthMix, norm: "RMSNorm | None", kernel: bool) -> tuple[Array, 
     from pallas_kernels.depth_mix import mix_norm
 
     rows = mix.reshape(-1, mix.shape[-1])
-    out = mix_norm(rows.partial, rows.blocks, rows.n_blocks, rows.norm_weight, rows.proj_weight, rows.eps,
+    out = mix_norm(rows.partial, *_mix_blocks(mix, rows), rows.norm_weight, rows.proj_weight, rows.eps,
                    None if norm is None else (norm.weight[...], norm.eps))
     return out.reshape(mix.shape), None
 
