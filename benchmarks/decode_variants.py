@@ -30,9 +30,9 @@ Each switch turns one change off (module attributes read while a step is traced)
   experts by the sorted dispatch or, up to 64 pairs, the fused kernels, not the tiled Mosaic GPU MoE);
 - mix by XLA: ``k3jax.layers.basic.MIX_KERNEL_ANY_ROWS`` False (at more than one row the AttnRes mixes and the
   norms after them by XLA's fusions, not ``pallas_kernels.depth_mix``; one row keeps the kernel).
-- mix over the stack: ``k3jax.layers.basic._mix_blocks`` hands the mix kernel the whole block stack and a traced
-  count (which XLA writes out before every mix), not the stored blocks as operands of their own.
-A candidate turns a form on that is not the default yet (``CANDIDATES``; none now).
+A candidate turns a form on that is not the default yet (``CANDIDATES``):
+- stored blocks as operands: ``k3jax.model.BLOCK_COUNT_STATIC`` (each AttnRes mix kernel reads the stored blocks,
+  not the block stack).
 Variants: the default, each switch alone, each candidate alone, all the changes off, all the candidates on.
 Also prints each variant's first logits against the default's (with random bf16 weights the model amplifies
 float32 summation order).
@@ -76,9 +76,10 @@ OFF = {  # a change's name -> (owner, attribute, value with the change off)
     "conv kernel": (kda, "CONV_IN_MAPS", False),
     "sorted MoE at decode": (moe_layer, "TILED_MOE_AT_DECODE", False),
     "mix by XLA": (basic, "MIX_KERNEL_ANY_ROWS", False),
-    "mix over the stack": (basic, "_mix_blocks", lambda mix, rows: (rows.blocks, jnp.asarray(mix.n_blocks, jnp.int32))),
 }
-CANDIDATES = {}  # a candidate's name -> (owner, attribute, value with it on)
+CANDIDATES = {  # a candidate's name -> (owner, attribute, value with it on)
+    "stored blocks as operands": (model_module, "BLOCK_COUNT_STATIC", True),
+}
 SWITCHES = Switches(OFF, CANDIDATES)
 
 

@@ -16,9 +16,9 @@ Each switch turns one change off (module attributes read while a prefill chunk i
   ``pallas_kernels.mx_matmul.tiled_moe_mx``, the grouped Mosaic GPU kernel in its tiled layout);
 - mix by XLA: ``k3jax.layers.basic.MIX_KERNEL_ANY_ROWS`` False (the AttnRes mixes and the norms after them by
   XLA's fusions, which re-read a block's sublayer outputs in each mix, not ``pallas_kernels.depth_mix``).
-- mix over the stack: ``k3jax.layers.basic._mix_blocks`` hands the mix kernel the whole block stack and a traced
-  count (which XLA writes out before every mix), not the stored blocks as operands of their own.
-A candidate turns a form on that is not the default yet (``CANDIDATES``; none at present).
+A candidate turns a form on that is not the default yet (``CANDIDATES``):
+- stored blocks as operands: ``k3jax.model.BLOCK_COUNT_STATIC`` (each AttnRes mix kernel reads the stored blocks,
+  not the block stack that XLA writes out before it).
 Variants: the default, each switch alone, each candidate alone, all the changes off. Also prints each
 variant's last-token logits against the default's. Each variant compiles its own 8K prefill (80-110 s each on the H200), so
 within a 10-minute call name one or two variants.
@@ -36,6 +36,7 @@ from flax import nnx
 import k3jax.layers.basic as basic
 import k3jax.layers.kda as kda
 import k3jax.layers.moe as moe
+import k3jax.model as model_module
 from k3jax import Generator, K3Model, preset, use_implementation
 from k3jax.functional.conv import causal_conv
 from k3jax.layers.mla import MLA
@@ -53,9 +54,10 @@ OFF = {  # a change's name -> (owner, attribute, value with the change off)
     "concatenated short convs": (kda, "_short_convs_xla", _concatenated_short_convs),
     "sorted MoE dispatch": (moe, "TILED_MOE_AT_PREFILL", False),
     "mix by XLA": (basic, "MIX_KERNEL_ANY_ROWS", False),
-    "mix over the stack": (basic, "_mix_blocks", lambda mix, rows: (rows.blocks, jnp.asarray(mix.n_blocks, jnp.int32))),
 }
-CANDIDATES: dict = {}  # a candidate's name -> (owner, attribute, value with it on)
+CANDIDATES = {  # a candidate's name -> (owner, attribute, value with it on)
+    "stored blocks as operands": (model_module, "BLOCK_COUNT_STATIC", True),
+}
 SWITCHES = Switches(OFF, CANDIDATES)
 
 

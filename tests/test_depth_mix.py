@@ -130,20 +130,21 @@ def _mix_calls(jaxpr) -> list:
     return calls
 
 
-@pytest.mark.parametrize("scan_layers", [False, True])
-def test_unrolled_model_mixes_read_the_stored_blocks(scan_layers):
-    """Unrolled, the model's block count is a Python int and every mix kernel takes the stored blocks as [M, D]
-    operands of their own (no stack for XLA to write out before it); in a scan, each takes the stack and a count."""
-    from k3jax import K3Model, preset, use_implementation
+@pytest.mark.parametrize("static,scan_layers", [(True, False), (False, False), (True, True)])
+def test_mix_kernels_read_the_stored_blocks_under_a_static_count(static, scan_layers, monkeypatch):
+    """With ``BLOCK_COUNT_STATIC`` the unrolled model counts its blocks in a Python int and every mix kernel takes
+    the stored blocks as [M, D] operands of their own; without it, or in a scan, each takes the stack and a count."""
+    from k3jax import K3Model, model as model_module, preset, use_implementation
 
+    monkeypatch.setattr(model_module, "BLOCK_COUNT_STATIC", static)
     cfg = preset("tiny")
     model = K3Model(cfg, rngs=nnx.Rngs(0))
     with use_implementation("pallas"):
         calls = _mix_calls(jax.make_jaxpr(lambda t: model(t, scan_layers=scan_layers))(jnp.zeros((1, 8), jnp.int32)))
-    ranks = [max(len(shape) for shape in call) for call in calls]
-    if scan_layers:  # a scanned group's body traced once
-        assert calls and set(ranks) == {3}
-    else:
-        assert len(calls) == 2 * cfg.num_layers
+    assert calls and (scan_layers or len(calls) == 2 * cfg.num_layers)  # a scanned group's body is traced once
+    ranks = {max(len(shape) for shape in call) for call in calls}
+    if static and not scan_layers:
         # partial, blocks, site weights, norm weight: one operand more for each stored block
-        assert set(ranks) == {2} and max(map(len, calls)) == 4 + -(-cfg.num_layers // cfg.attn_res_block_size)
+        assert ranks == {2} and max(map(len, calls)) == 4 + -(-cfg.num_layers // cfg.attn_res_block_size)
+    else:
+        assert ranks == {3}
