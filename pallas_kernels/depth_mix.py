@@ -14,7 +14,8 @@ one program per row loads its sources once, whole (D padded to a power of two, m
 the normed row that the matvec kernel then reads without a norm of its own. The Pallas path takes it
 at every row count (``k3jax.layers.basic.MIX_KERNEL_ANY_ROWS``): on the H200 the batched decode steps
 were faster with it (B=64 2.26 against 2.40 ms, best of 8 rounds), an 8K prefill chunk no different (twenty-ninth
-session). Interpret mode on CPU.
+and thirtieth sessions): there each kernel's block stack is a concatenation XLA writes out first (``mix_norm``).
+Interpret mode on CPU.
 """
 
 from __future__ import annotations
@@ -104,8 +105,9 @@ def mix_norm(partial: Array, blocks: "Array | Sequence[Array]", count: Array | i
     The kernel reads a sequence's blocks, or a stack's first ``count`` when count is a Python int, as operands of
     their own; a traced count hands it the whole stack. Where the stack is a buffer the layers wrote at static
     indices, XLA writes it out (a concatenation) before every mix that takes it whole: on the H200, 33 of them in
-    a 2048-token `mini` prefill chunk, 6-25 us each (benchmarks/RESULTS.md, issue 4, thirtieth session), while
-    the unrolled layers' blocks, sliced at static indices, are the stored arrays themselves."""
+    a 2048-token `mini` prefill chunk, 6-25 us each (benchmarks/RESULTS.md, issue 4, thirtieth session). Slices
+    of it at static indices may resolve to the stored arrays instead: the candidate
+    ``k3jax.model.BLOCK_COUNT_STATIC``."""
     if partial.ndim != 2:
         raise ValueError(f"partial must be [M, D], got {partial.shape}")
     if not isinstance(blocks, (list, tuple)):

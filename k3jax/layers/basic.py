@@ -70,8 +70,9 @@ ACT_PROLOGUE_MAX_WIDTH = 1024
 # Whether the Pallas path off TPU mixes a Block AttnRes ``DepthMix`` and norms it in one small kernel
 # (``pallas_kernels.depth_mix``) at any number of rows (prefill chunks, batched decode), not only where the matvec
 # kernel reads it (one row); False: XLA's fusions there (a switch for the benchmarks' variants). On the H200 `mini`'s
-# B=64 step took 2.26 against 2.40 ms, B=8 1.57 against 1.65 (medians), an 8K prefill 55.3 against 55.4
-# (benchmarks/RESULTS.md, issue 4, twenty-ninth session).
+# B=64 step took 2.26 against 2.40 ms, B=8 1.57 against 1.65 (medians), an 8K prefill 55.3 against 55.4 and 52.3
+# against 52.3 on a second lease, where XLA writes the block stack out before each kernel's mix (benchmarks/RESULTS.md,
+# issue 4, twenty-ninth and thirtieth sessions).
 MIX_KERNEL_ANY_ROWS = True
 # Whether ``project``'s kernel path adds its ``add`` arrays in the matvec kernel (else XLA adds after
 # it; a switch for ``benchmarks/decode_variants.py``).
