@@ -30,9 +30,7 @@ Each switch turns one change off (module attributes read while a step is traced)
   experts by the sorted dispatch or, up to 64 pairs, the fused kernels, not the tiled Mosaic GPU MoE);
 - mix by XLA: ``k3jax.layers.basic.MIX_KERNEL_ANY_ROWS`` False (at more than one row the AttnRes mixes and the
   norms after them by XLA's fusions, not ``pallas_kernels.depth_mix``; one row keeps the kernel).
-A candidate turns a form on that is not the default yet (``CANDIDATES``):
-- stored blocks as operands: ``k3jax.model.BLOCK_COUNT_STATIC`` (each AttnRes mix kernel reads the stored blocks,
-  not the block stack).
+A candidate turns a form on that is not the default yet (``CANDIDATES``; none now).
 Variants: the default, each switch alone, each candidate alone, all the changes off, all the candidates on.
 Also prints each variant's first logits against the default's (with random bf16 weights the model amplifies
 float32 summation order).
@@ -77,9 +75,7 @@ OFF = {  # a change's name -> (owner, attribute, value with the change off)
     "sorted MoE at decode": (moe_layer, "TILED_MOE_AT_DECODE", False),
     "mix by XLA": (basic, "MIX_KERNEL_ANY_ROWS", False),
 }
-CANDIDATES = {  # a candidate's name -> (owner, attribute, value with it on)
-    "stored blocks as operands": (model_module, "BLOCK_COUNT_STATIC", True),
-}
+CANDIDATES = {}  # a candidate's name -> (owner, attribute, value with it on)
 SWITCHES = Switches(OFF, CANDIDATES)
 
 

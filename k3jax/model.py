@@ -32,11 +32,12 @@ from k3jax.layers.mlp import DenseMLP, activation
 from k3jax.layers.moe import MoE
 from k3jax.typing import Array
 
-# Candidate (off): unrolled layers count their stored AttnRes blocks in a Python int, so each mix kernel reads the
-# stored blocks as operands of their own (``k3jax.layers.basic._mix_blocks``) instead of the block stack, which XLA
-# writes out before every mix that takes it whole (33 concatenations, 6-25 us each, in a 2048-token `mini` prefill
-# chunk on the H200). The B=1 decode step took 0.947 ms with it against 0.869 without (best of 6 rounds); a prefill
-# not measured yet (benchmarks/RESULTS.md, issue 4, thirtieth session). Read while a forward is traced.
+# Candidate (off): unrolled layers of several tokens a sequence (a prompt, a prefill chunk) count their stored AttnRes
+# blocks in a Python int, so each mix kernel reads the stored blocks as operands of their own
+# (``k3jax.layers.basic._mix_blocks``) instead of the block stack, which XLA writes out before every mix that takes it
+# whole (33 concatenations, 6-25 us each, in a 2048-token `mini` prefill chunk on the H200). Decode steps keep the
+# stack: on every token the B=1 step took 0.947 ms against 0.869 (best of 6 rounds); a prefill is not measured yet
+# (benchmarks/RESULTS.md, issue 4, thirtieth session). Read while a forward is traced.
 BLOCK_COUNT_STATIC = False
 
 
@@ -246,7 +247,7 @@ class K3Model(nnx.Module):
         block = cfg.attn_res_block_size
         if block:
             blocks = jnp.zeros((-(-cfg.num_layers // block), *x.shape), x.dtype)
-            static = BLOCK_COUNT_STATIC and not scan_layers
+            static = BLOCK_COUNT_STATIC and not scan_layers and tokens.shape[1] > 1
             carry = (blocks, 0 if static else jnp.asarray(0, jnp.int32), x)
             step = lambda layer, c, i, lc: layer.attn_res(c, i % block == 0, lc, ctx)
         else:

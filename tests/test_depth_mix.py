@@ -130,20 +130,22 @@ def _mix_calls(jaxpr) -> list:
     return calls
 
 
-@pytest.mark.parametrize("static,scan_layers", [(True, False), (False, False), (True, True)])
-def test_mix_kernels_read_the_stored_blocks_under_a_static_count(static, scan_layers, monkeypatch):
-    """With ``BLOCK_COUNT_STATIC`` the unrolled model counts its blocks in a Python int and every mix kernel takes
-    the stored blocks as [M, D] operands of their own; without it, or in a scan, each takes the stack and a count."""
+@pytest.mark.parametrize("static,scan_layers,tokens", [(True, False, 8), (False, False, 8), (True, True, 8),
+                                                       (True, False, 1)])
+def test_mix_kernels_read_the_stored_blocks_under_a_static_count(static, scan_layers, tokens, monkeypatch):
+    """With ``BLOCK_COUNT_STATIC`` the unrolled model of several tokens counts its blocks in a Python int and every
+    mix kernel takes the stored blocks as [M, D] operands of their own; without it, in a scan or at one token a
+    sequence (a decode step), each takes the stack and a count."""
     from k3jax import K3Model, model as model_module, preset, use_implementation
 
     monkeypatch.setattr(model_module, "BLOCK_COUNT_STATIC", static)
     cfg = preset("tiny")
     model = K3Model(cfg, rngs=nnx.Rngs(0))
     with use_implementation("pallas"):
-        calls = _mix_calls(jax.make_jaxpr(lambda t: model(t, scan_layers=scan_layers))(jnp.zeros((1, 8), jnp.int32)))
+        calls = _mix_calls(jax.make_jaxpr(lambda t: model(t, scan_layers=scan_layers))(jnp.zeros((2, tokens), jnp.int32)))
     assert calls and (scan_layers or len(calls) == 2 * cfg.num_layers)  # a scanned group's body is traced once
     ranks = {max(len(shape) for shape in call) for call in calls}
-    if static and not scan_layers:
+    if static and not scan_layers and tokens > 1:
         # partial, blocks, site weights, norm weight: one operand more for each stored block
         assert ranks == {2} and max(map(len, calls)) == 4 + -(-cfg.num_layers // cfg.attn_res_block_size)
     else:
