@@ -19,6 +19,8 @@ Each switch turns one change off (module attributes read while a prefill chunk i
 A candidate turns a form on that is not the default yet (``CANDIDATES``):
 - stored blocks as operands: ``k3jax.model.BLOCK_COUNT_STATIC`` (each AttnRes mix kernel reads the stored blocks,
   not the block stack that XLA writes out before it).
+- conv kernel at prefill: ``k3jax.layers.kda.CONV_KERNEL_AT_PREFILL`` (KDA's short convs and SiLU in one Pallas
+  kernel, ``pallas_kernels.short_conv.conv_silu_chunk``, not XLA's fusion).
 Variants: the default, each switch alone, each candidate alone, all the changes off. Also prints each
 variant's last-token logits against the default's. Each variant compiles its own 8K prefill (80-110 s each on the H200), so
 within a 10-minute call name one or two variants.
@@ -57,6 +59,7 @@ OFF = {  # a change's name -> (owner, attribute, value with the change off)
 }
 CANDIDATES = {  # a candidate's name -> (owner, attribute, value with it on)
     "stored blocks as operands": (model_module, "BLOCK_COUNT_STATIC", True),
+    "conv kernel at prefill": (kda, "CONV_KERNEL_AT_PREFILL", True),
 }
 SWITCHES = Switches(OFF, CANDIDATES)
 

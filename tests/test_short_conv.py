@@ -1,5 +1,6 @@
-"""The decode step's short convs + SiLU kernel (pallas_kernels/short_conv.py, interpret mode on CPU)
-against ``causal_conv`` over the inputs side by side, then ``jax.nn.silu``; ``causal_conv`` itself against a loop."""
+"""The short convs + SiLU kernels (pallas_kernels/short_conv.py, interpret mode on CPU: a decode step's, a prefill
+chunk's) against ``causal_conv`` over the inputs side by side, then ``jax.nn.silu``; ``causal_conv`` itself against a
+loop; the KDA layer's prefill with the chunk kernel against its XLA convs."""
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +8,7 @@ import numpy as np
 import pytest
 
 from k3jax.functional.conv import causal_conv
-from pallas_kernels.short_conv import conv_silu_step
+from pallas_kernels.short_conv import conv_silu_chunk, conv_silu_step
 
 W = 4
 
@@ -31,11 +32,30 @@ def test_conv_silu_step_matches_causal_conv(batch, width, dtype):
     np.testing.assert_array_equal(got_state, new_state)
 
 
-def test_lowers_for_cuda_through_triton():
-    f = lambda xs, taps, state: conv_silu_step(xs, taps, state, interpret=False)
-    xs = [jax.ShapeDtypeStruct((2, 2048), jnp.bfloat16)] * 3
+@pytest.mark.parametrize("batch,tokens,width,dtype", [(2, 24, 48, jnp.bfloat16), (1, 3, 512, jnp.float32),
+                                                     (1, 256, 16, jnp.bfloat16)])
+def test_conv_silu_chunk_matches_causal_conv(batch, tokens, width, dtype):
+    """24 tokens: blocks of 8 tokens (the first reads the state); 3: blocks of one token, the first two reading
+    the state for some taps; 256: blocks of 64, the later ones reading x before their first token."""
+    keys = jax.random.split(jax.random.key(tokens), 3)
+    steps = [_inputs(batch, width, dtype, seed=s) for s in range(tokens)]
+    xs = [jnp.stack([step[0][i] for step in steps], axis=1) for i in range(3)]
+    _, taps, state = steps[0]
+    state = state + jax.random.normal(keys[0], state.shape)
+    ys = jax.jit(conv_silu_chunk)(xs, taps, state)
+    y, _ = causal_conv(jnp.concatenate(xs, axis=-1), jnp.concatenate(taps), state)
+    assert all(a.shape == (batch, tokens, width) and a.dtype == jnp.float32 for a in ys)
+    np.testing.assert_allclose(np.concatenate(ys, axis=-1), jax.nn.silu(y), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("step", [True, False])
+def test_lowers_for_cuda_through_triton(step):
+    shape = (2, 2048) if step else (1, 2048, 2048)
+    kernel = conv_silu_step if step else conv_silu_chunk
+    f = lambda xs, taps, state: kernel(xs, taps, state, interpret=False)
+    xs = [jax.ShapeDtypeStruct(shape, jnp.bfloat16)] * 3
     taps = [jax.ShapeDtypeStruct((2048, W), jnp.float32)] * 3
-    state = jax.ShapeDtypeStruct((2, W - 1, 3 * 2048), jnp.float32)
+    state = jax.ShapeDtypeStruct((shape[0], W - 1, 3 * 2048), jnp.float32)
     assert "xla.gpu.triton" in jax.jit(f).trace(xs, taps, state).lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -49,6 +69,8 @@ def test_bad_inputs_are_refused():
         conv_silu_step(xs, [taps[0], taps[1], taps[2][:8]], state)
     with pytest.raises(ValueError, match=r"state must be float32 \[B, W-1, n F\]"):
         conv_silu_step(xs, taps, state[:, :2])
+    with pytest.raises(ValueError, match=r"input 0 must be \[B, T, F\]"):
+        conv_silu_chunk(xs, taps, state)
 
 
 @pytest.mark.parametrize("tokens", [1, 2, 3, 7])
@@ -70,3 +92,29 @@ def test_causal_conv_matches_a_loop(tokens, ragged):
     np.testing.assert_allclose(np.asarray(y), want, rtol=1e-6, atol=1e-6)
     want_state = np.stack([seq[b, n : n + taps - 1] for b, n in enumerate(lengths)])
     np.testing.assert_array_equal(np.asarray(new_state), want_state)
+
+
+def test_kda_prefill_with_the_chunk_kernel_equals_xla_convs(monkeypatch):
+    """The KDA layer on the Pallas path over two chunks of a ragged batch (the state carried from the first) with
+    ``CONV_KERNEL_AT_PREFILL`` on and off: the same outputs and states."""
+    from flax import nnx
+
+    from k3jax.config import KDAConfig
+    from k3jax.implementation import use_implementation
+    from k3jax.layers import kda as kda_module
+
+    layer = kda_module.KDA(32, KDAConfig(num_heads=2, head_dim=16, conv_size=W, gate_lower_bound=-5.0), 1e-6, rngs=nnx.Rngs(3))
+    x = jax.random.normal(jax.random.key(1), (2, 24, 32))
+    valid = jnp.arange(24)[None] < jnp.array([[24], [13]])
+    runs, kernels = {}, {}
+    for on in (True, False):
+        monkeypatch.setattr(kda_module, "CONV_KERNEL_AT_PREFILL", on)
+        with use_implementation("pallas"):
+            trace = jax.make_jaxpr(lambda x: layer(x, valid=valid[:, :16])[0])(x[:, :16])
+            kernels[on] = str(trace).count("name=conv_silu_chunk")
+            first, state = layer(x[:, :16], valid=valid[:, :16])
+            second, state = layer(x[:, 16:], state, valid=valid[:, 16:])
+        runs[on] = (first, second, state.conv, state.recurrent)
+    assert (kernels[True], kernels[False]) == (1, 0)
+    for got, want in zip(runs[True], runs[False]):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)

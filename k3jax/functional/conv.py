@@ -18,7 +18,7 @@ def _delayed(x: Array, state: Array, s: int) -> Array:
     return jnp.concatenate([state[:, first:], x[:, : T - s]], axis=1)
 
 
-def _last_inputs(x: Array, state: Array, lengths: Array | None) -> Array:
+def last_inputs(x: Array, state: Array, lengths: Array | None) -> Array:
     """The last W-1 real inputs of each row of the state and x side by side [B, W-1, F]: those before
     position lengths[b] of x (default T)."""
     T, keep = x.shape[1], state.shape[1]
@@ -50,7 +50,7 @@ def causal_conv(
     state = jnp.zeros((B, W - 1, F), jnp.float32) if state is None else state.astype(jnp.float32)
     w = weight.astype(jnp.float32)
     y = sum(_delayed(x, state, W - 1 - j) * w[:, j] for j in range(W))
-    return y, _last_inputs(x, state, lengths)
+    return y, last_inputs(x, state, lengths)
 
 
-__all__ = ["causal_conv"]
+__all__ = ["causal_conv", "last_inputs"]

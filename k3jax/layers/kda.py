@@ -11,7 +11,7 @@ from flax import nnx
 
 from k3jax.config import KDAConfig
 from k3jax.functional import kda as F
-from k3jax.functional.conv import causal_conv
+from k3jax.functional.conv import causal_conv, last_inputs
 from k3jax.functional.norms import gated_rms_norm
 from k3jax.implementation import get_implementation, triton_kernels
 from k3jax.layers.basic import Linear, RMSNorm, Rngs, normal, project, takes_matvec_kernel
@@ -62,6 +62,10 @@ def _kda_core_fused(q, k, v, z, a_log, dt_bias, beta_logits, state, lower_bound:
 # logits bitwise equal (benchmarks/RESULTS.md, issue 4, twenty-first session). "conv kernel" in
 # benchmarks/decode_variants.py turns it off. Read at the call.
 CONV_IN_MAPS = True
+# Candidate (off): a prefill chunk's short convs and SiLU in one Pallas kernel (``pallas_kernels.short_conv.
+# conv_silu_chunk``) instead of XLA's fusion, which took 48-77 us a KDA layer for about 72 MB at a 2048-token `mini`
+# chunk on the H200 (benchmarks/RESULTS.md, issue 4, thirtieth session); not measured yet. Read when traced.
+CONV_KERNEL_AT_PREFILL = False
 
 
 def _short_convs_xla(xs, taps, state, lengths):
@@ -77,14 +81,22 @@ def _short_convs_xla(xs, taps, state, lengths):
 
 
 def _short_convs(xs, taps, state, lengths):
-    """``_short_convs_xla``, or for a decode step (T = 1, no padding) on the Pallas path off TPU one
-    kernel that also updates the state in place (``pallas_kernels.short_conv``)."""
-    if xs[0].shape[1] == 1 and lengths is None and triton_kernels():
-        from pallas_kernels.short_conv import conv_silu_step
+    """``_short_convs_xla``, or on the Pallas path off TPU: for a decode step (T = 1, no padding) one kernel that
+    also updates the state in place; for a prefill chunk with ``CONV_KERNEL_AT_PREFILL`` one kernel for the convs
+    and their SiLU, the state after them by XLA (``pallas_kernels.short_conv``)."""
+    if not triton_kernels():
+        return _short_convs_xla(xs, taps, state, lengths)
+    from pallas_kernels.short_conv import conv_silu_chunk, conv_silu_step
 
+    if xs[0].shape[1] == 1 and lengths is None:
         ys, state = conv_silu_step([x[:, 0] for x in xs], taps, state)
         return (*(y[:, None] for y in ys), state)
-    return _short_convs_xla(xs, taps, state, lengths)
+    if not CONV_KERNEL_AT_PREFILL:
+        return _short_convs_xla(xs, taps, state, lengths)
+    ends = np.cumsum([x.shape[-1] for x in xs])
+    states = [last_inputs(x.astype(jnp.float32), state[..., end - x.shape[-1]:end], lengths)
+              for x, end in zip(xs, ends)]
+    return (*conv_silu_chunk(xs, taps, state), jnp.concatenate(states, axis=-1))
 
 
 class ShortConv(nnx.Module):
