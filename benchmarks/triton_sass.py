@@ -8,11 +8,12 @@ here, 110 measured by ncu on the H200, benchmarks/RESULTS.md, issue 4, fourteent
 answers without device time: does a kernel spill, how many programs fit on an SM, how many instructions a
 weight element costs, how many come before the first weight load.
 
-    python3 benchmarks/triton_sass.py [moe|matvec|mix] [--preset mini] [--sass]
+    python3 benchmarks/triton_sass.py [moe|matvec|mix|conv] [--preset mini] [--sass]
 
 moe: the batch-1 routed MoE's two kernels (``routed_moe_mx_split``); matvec: the KDA layer's input maps at
 one row with the short convs after them (``pallas_kernels.matvec``); mix: an AttnRes mix with its norm
-(``pallas_kernels.depth_mix``).
+(``pallas_kernels.depth_mix``); conv: a 2048-token prefill chunk's short convs and SiLU
+(``pallas_kernels.short_conv.conv_silu_chunk``).
 """
 
 from __future__ import annotations
@@ -153,7 +154,14 @@ def _targets(preset_name: str) -> dict[str, tuple[Callable, tuple]]:
 
         return mix_norm(partial, blocks, count, query, proj, 1e-6, (norm, 1e-6), interpret=False)
 
+    def conv(*operands):
+        from pallas_kernels.short_conv import conv_silu_chunk
+
+        return conv_silu_chunk(operands[:3], operands[3:6], operands[6], interpret=False)
+
+    chunk = 2048
     return {
+        "conv": (conv, (bf16(1, chunk, qk), bf16(1, chunk, qk), bf16(1, chunk, v), *taps, f32(1, W - 1, 2 * qk + v))),
         "moe": (routed, (bf16(1, R), stack(F, R), stack(F, R), stack(R, F), f32(1, E), f32(E))),
         "matvec": (matvec, (bf16(1, D), *maps, *taps, f32(1, W - 1, 2 * qk + v))),
         "mix": (mix, (bf16(1, D), bf16(8, 1, D), jax.ShapeDtypeStruct((), jnp.int32), bf16(D), bf16(D), bf16(D))),
@@ -162,7 +170,7 @@ def _targets(preset_name: str) -> dict[str, tuple[Callable, tuple]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("target", nargs="?", default="moe", choices=["moe", "matvec", "mix"])
+    ap.add_argument("target", nargs="?", default="moe", choices=["moe", "matvec", "mix", "conv"])
     ap.add_argument("--preset", default="mini")
     ap.add_argument("--sass", action="store_true", help="also print every kernel's opcodes in program order")
     args = ap.parse_args()
