@@ -102,9 +102,10 @@ class DecoderLayer(nnx.Module):
         return self.ffn(x, residual=x), jnp.zeros((), x.dtype), cache
 
     def attn_res(self, carry: tuple[Array, "Array | int", Array], commit: "bool | Array", cache=None, ctx=None):
-        """K3's Block AttnRes step. carry = (blocks [N, B, T, D], n_blocks, x); ``commit`` and n_blocks (Python
-        values for unrolled layers, traced ones in a scan) say whether this layer starts a block and how many are stored. Returns the
-        new carry, the two mixes' weights [2, N+1, B, T] and the layer's cache."""
+        """K3's Block AttnRes step. carry = (blocks [N, B, T, D], n_blocks, x); ``commit`` says this layer starts
+        a block (a Python bool for unrolled layers, a traced one in a scan), n_blocks how many are stored (a Python
+        int under ``BLOCK_COUNT_STATIC``). Returns the new carry, the two mixes' weights [2, N+1, B, T] and the
+        layer's cache."""
         blocks, n, partial = carry
         h = self.self_attention_res.deferred(blocks, n, partial)  # computed by its reader (``project``)
         with jax.named_scope("attn_res"):

@@ -89,8 +89,8 @@ def _conv_silu_step(xs, taps, state, *, interpret: bool):
 def _conv_silu_chunk_kernel(*refs, n_inputs: int, block: int, rows: int):
     """Refs: xs [B, T, F] (n_inputs), taps [F, W] (n_inputs), the state [B, W-1, n F], then ys [B, T, F] float32
     (n_inputs). Program (sequence, block of ``rows`` tokens, input and block of channels): the W-1 inputs before
-    its first token (from x, or from the state before token W-1), then its tokens in order, each conv summed as
-    ``conv_silu_values`` sums a decode step's."""
+    its first token (from x, or from the state where they precede the chunk), then its tokens in order, each conv
+    summed as ``conv_silu_values`` sums a decode step's."""
     xs, taps, state, ys = refs[:n_inputs], refs[n_inputs:2 * n_inputs], refs[2 * n_inputs], refs[2 * n_inputs + 1:]
     b, token_block, program = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     width = xs[0].shape[2]

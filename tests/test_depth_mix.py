@@ -142,7 +142,8 @@ def test_mix_kernels_read_the_stored_blocks_under_a_static_count(static, scan_la
     cfg = preset("tiny")
     model = K3Model(cfg, rngs=nnx.Rngs(0))
     with use_implementation("pallas"):
-        calls = _mix_calls(jax.make_jaxpr(lambda t: model(t, scan_layers=scan_layers))(jnp.zeros((2, tokens), jnp.int32)))
+        trace = jax.make_jaxpr(lambda t: model(t, scan_layers=scan_layers))(jnp.zeros((2, tokens), jnp.int32))
+    calls = _mix_calls(trace)
     assert calls and (scan_layers or len(calls) == 2 * cfg.num_layers)  # a scanned group's body is traced once
     ranks = {max(len(shape) for shape in call) for call in calls}
     if static and not scan_layers and tokens > 1:

@@ -103,7 +103,8 @@ def test_kda_prefill_with_the_chunk_kernel_equals_xla_convs(monkeypatch):
     from k3jax.implementation import use_implementation
     from k3jax.layers import kda as kda_module
 
-    layer = kda_module.KDA(32, KDAConfig(num_heads=2, head_dim=16, conv_size=W, gate_lower_bound=-5.0), 1e-6, rngs=nnx.Rngs(3))
+    cfg = KDAConfig(num_heads=2, head_dim=16, conv_size=W, gate_lower_bound=-5.0)
+    layer = kda_module.KDA(32, cfg, 1e-6, rngs=nnx.Rngs(3))
     x = jax.random.normal(jax.random.key(1), (2, 24, 32))
     valid = jnp.arange(24)[None] < jnp.array([[24], [13]])
     runs, kernels = {}, {}
