@@ -151,3 +151,22 @@ def test_mix_kernels_read_the_stored_blocks_under_a_static_count(static, scan_la
         assert ranks == {2} and max(map(len, calls)) == 4 + -(-cfg.num_layers // cfg.attn_res_block_size)
     else:
         assert ranks == {3}
+
+
+def test_a_static_count_hands_the_kernel_the_first_blocks():
+    """``_mix_blocks``: under a Python int count, the first ``count`` stored blocks over [M, D] (each sliced, then
+    reshaped), no count; under a traced one, the stack over [M, D] and the count."""
+    from k3jax.layers.basic import _mix_blocks
+
+    blocks, partial, site_norm, site_proj, _ = _inputs(6, jnp.float32, seed=3)
+    stack = blocks.reshape(3, 2, 3, DEPTH)
+    for count in (0, 2, 3):
+        mix = DepthMix(stack, count, partial.reshape(2, 3, DEPTH), site_norm, site_proj, MIX_EPS)
+        rows = mix.reshape(-1, DEPTH)
+        given, none = _mix_blocks(mix, rows)
+        assert none is None and len(given) == count
+        for got, want in zip(given, blocks[:count]):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        traced = DepthMix(stack, jnp.asarray(count), mix.partial, site_norm, site_proj, MIX_EPS)
+        got_stack, got_count = _mix_blocks(traced, traced.reshape(-1, DEPTH))
+        assert got_stack.shape == (3, 6, DEPTH) and int(got_count) == count
