@@ -30,7 +30,9 @@ Each switch turns one change off (module attributes read while a step is traced)
   experts by the sorted dispatch or, up to 64 pairs, the fused kernels, not the tiled Mosaic GPU MoE);
 - mix by XLA: ``k3jax.layers.basic.MIX_KERNEL_ANY_ROWS`` False (at more than one row the AttnRes mixes and the
   norms after them by XLA's fusions, not ``pallas_kernels.depth_mix``; one row keeps the kernel).
-A candidate turns a form on that is not the default yet (``CANDIDATES``; none now).
+A candidate turns a form on that is not the default yet (``CANDIDATES``):
+- stored blocks to the mixes: ``k3jax.model.MIX_STORED_BLOCKS`` (each AttnRes mix kernel reads the blocks as the
+  arrays the layers stored, not the block stack).
 Variants: the default, each switch alone, each candidate alone, all the changes off, all the candidates on.
 Also prints each variant's first logits against the default's (with random bf16 weights the model amplifies
 float32 summation order).
@@ -62,8 +64,7 @@ _store = model_module._store_block
 OFF = {  # a change's name -> (owner, attribute, value with the change off)
     "short convs by XLA": (kda, "_short_convs", kda._short_convs_xla),
     "block store by select": (model_module, "_store_block",
-                              lambda blocks, n, partial, commit: _store(blocks, jnp.asarray(n, jnp.int32), partial,
-                                                                         jnp.asarray(commit))),
+                              lambda blocks, n, partial, commit: _store(blocks, n, partial, jnp.asarray(commit))),
     "latents by XLA": (MLA, "_write", MLA._write_xla),
     "activation by XLA": (basic, "ACT_PROLOGUE_MAX_WIDTH", 0),
     "adds by XLA": (basic, "ADD_IN_KERNEL", False),
@@ -75,7 +76,9 @@ OFF = {  # a change's name -> (owner, attribute, value with the change off)
     "sorted MoE at decode": (moe_layer, "TILED_MOE_AT_DECODE", False),
     "mix by XLA": (basic, "MIX_KERNEL_ANY_ROWS", False),
 }
-CANDIDATES = {}  # a candidate's name -> (owner, attribute, value with it on)
+CANDIDATES = {  # a candidate's name -> (owner, attribute, value with it on)
+    "stored blocks to the mixes": (model_module, "MIX_STORED_BLOCKS", True),
+}
 SWITCHES = Switches(OFF, CANDIDATES)
 
 

@@ -17,8 +17,8 @@ Each switch turns one change off (module attributes read while a prefill chunk i
 - mix by XLA: ``k3jax.layers.basic.MIX_KERNEL_ANY_ROWS`` False (the AttnRes mixes and the norms after them by
   XLA's fusions, which re-read a block's sublayer outputs in each mix, not ``pallas_kernels.depth_mix``).
 A candidate turns a form on that is not the default yet (``CANDIDATES``):
-- stored blocks as operands: ``k3jax.model.BLOCK_COUNT_STATIC`` (each AttnRes mix kernel reads the stored blocks,
-  not the block stack that XLA writes out before it).
+- stored blocks to the mixes: ``k3jax.model.MIX_STORED_BLOCKS`` (each AttnRes mix kernel reads the blocks as the
+  arrays the layers stored, not the block stack that XLA writes out before it).
 - conv kernel at prefill: ``k3jax.layers.kda.CONV_KERNEL_AT_PREFILL`` (KDA's short convs and SiLU in one Pallas
   kernel, ``pallas_kernels.short_conv.conv_silu_chunk``, not XLA's fusion).
 Variants: the default, each switch alone, each candidate alone, all the changes off. Also prints each
@@ -58,7 +58,7 @@ OFF = {  # a change's name -> (owner, attribute, value with the change off)
     "mix by XLA": (basic, "MIX_KERNEL_ANY_ROWS", False),
 }
 CANDIDATES = {  # a candidate's name -> (owner, attribute, value with it on)
-    "stored blocks as operands": (model_module, "BLOCK_COUNT_STATIC", True),
+    "stored blocks to the mixes": (model_module, "MIX_STORED_BLOCKS", True),
     "conv kernel at prefill": (kda, "CONV_KERNEL_AT_PREFILL", True),
 }
 SWITCHES = Switches(OFF, CANDIDATES)

@@ -102,34 +102,29 @@ def mix_norm(partial: Array, blocks: "Array | Sequence[Array]", count: Array | i
     sequence of [M, D] arrays, all valid (count None); the mix site's weights [D] each -> the mix [M, D] in
     partial's dtype, RMS-normed by ``norm`` = (weight [D], eps) when given. bf16 or float32 inputs, float32 inside.
 
-    The kernel reads a sequence's blocks, or a stack's first ``count`` when count is a Python int, as operands of
-    their own; a traced count hands it the whole stack. Where the stack is a buffer the layers wrote at static
-    indices, XLA writes it out (a concatenation) before every mix that takes it whole: on the H200, 33 of them in
-    a 2048-token `mini` prefill chunk, 6-25 us each (benchmarks/RESULTS.md, issue 4, thirtieth session). Slices
-    of it at static indices may resolve to the stored arrays instead: the candidate
-    ``k3jax.model.BLOCK_COUNT_STATIC``."""
+    A stack is one operand, read whole; a sequence's blocks are operands of their own. Where the stack is a buffer
+    the layers wrote block by block, XLA writes it out (a concatenation) before every mix kernel that takes it: on
+    the H200, 33 of them in a 2048-token `mini` prefill chunk, 6-25 us each (benchmarks/RESULTS.md, issue 4,
+    thirtieth session); the candidate ``k3jax.model.MIX_STORED_BLOCKS`` hands the stored arrays instead."""
     if partial.ndim != 2:
         raise ValueError(f"partial must be [M, D], got {partial.shape}")
-    if not isinstance(blocks, (list, tuple)):
+    if isinstance(blocks, (list, tuple)):
+        if count is not None:
+            raise ValueError("count: give None with a sequence of blocks (every block is valid)")
+        if any(b.shape != partial.shape for b in blocks):
+            raise ValueError(f"blocks must each be [M, D] = {partial.shape}, got {[b.shape for b in blocks]}")
+        blocks = tuple(blocks)
+    else:
         if blocks.ndim != 3 or blocks.shape[1:] != partial.shape or blocks.shape[0] < 1:
             raise ValueError(f"blocks [N, M, D] must have partial's M, D = {partial.shape}, got {blocks.shape}")
-        if isinstance(count, int):
-            if not 0 <= count <= blocks.shape[0]:
-                raise ValueError(f"count must be from 0 to N = {blocks.shape[0]}, got {count}")
-            blocks, count = [blocks[i] for i in range(count)], None
-        elif count is None:
+        if count is None:
             raise ValueError("count: give the number of valid blocks of a stack [N, M, D]")
-    elif count is not None:
-        raise ValueError("count: give None with a sequence of blocks (every block is valid)")
-    if isinstance(blocks, (list, tuple)) and any(b.shape != partial.shape for b in blocks):
-        raise ValueError(f"blocks must each be [M, D] = {partial.shape}, got {[b.shape for b in blocks]}")
+        count = jnp.asarray(count, jnp.int32)
     depth = partial.shape[1]
     for name, w in (("mix_norm_weight", mix_norm_weight), ("mix_proj_weight", mix_proj_weight),
                     ("norm weight", None if norm is None else norm[0])):
         if w is not None and w.size != depth:
             raise ValueError(f"{name} must hold D = {depth} values, got shape {w.shape}")
-    blocks = tuple(blocks) if count is None else blocks
-    count = None if count is None else jnp.asarray(count, jnp.int32)
     interpret = pallas_interpret() if interpret is None else interpret
     norm_weight, eps = (None, None) if norm is None else (norm[0], float(norm[1]))
     return _mix_norm(partial, blocks, count, mix_norm_weight, mix_proj_weight, norm_weight, mix_eps=float(mix_eps),

@@ -64,6 +64,8 @@ class DepthMix:
     norm_weight: Array
     proj_weight: Array
     eps: float
+    stored: tuple[Array, ...] | None = None  # the n_blocks valid blocks as the arrays the layers stored, when known
+
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -80,8 +82,9 @@ class DepthMix:
     def reshape(self, *shape: int) -> "DepthMix":
         """The same mix over the partial reshaped to ``shape`` (the blocks alike)."""
         partial = self.partial.reshape(*shape)
+        stored = None if self.stored is None else tuple(b.reshape(partial.shape) for b in self.stored)
         return dataclasses.replace(self, blocks=self.blocks.reshape(self.blocks.shape[0], *partial.shape),
-                                   partial=partial)
+                                   partial=partial, stored=stored)
 
     @functools.cached_property
     def _mix(self) -> tuple[Array, Array]:

@@ -118,11 +118,10 @@ def materialize(x: "Array | DepthMix") -> Array:
 
 
 def _mix_blocks(mix: DepthMix, rows: DepthMix) -> tuple:
-    """``mix_norm``'s blocks and count for a mix (``rows``: the same over [M, D]): a Python int count (unrolled
-    layers) gives the stored blocks, each sliced before its reshape, so XLA finds the arrays the layers stored
-    (see ``mix_norm``); a traced one the stack and the count."""
-    if isinstance(mix.n_blocks, int):
-        return [mix.blocks[i].reshape(rows.shape) for i in range(mix.n_blocks)], None
+    """``mix_norm``'s blocks and count for a mix (``rows``: the same over [M, D]): the blocks the layers stored, as
+    arrays of their own, where the mix knows them (``k3jax.model.MIX_STORED_BLOCKS``), else the stack and the count."""
+    if rows.stored is not None:
+        return list(rows.stored), None
     return rows.blocks, rows.n_blocks
 
 
