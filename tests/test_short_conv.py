@@ -110,11 +110,12 @@ def test_kda_prefill_with_the_chunk_kernel_equals_xla_convs(monkeypatch):
     runs, kernels = {}, {}
     for on in (True, False):
         monkeypatch.setattr(kda_module, "CONV_KERNEL_AT_PREFILL", on)
-        with use_implementation("pallas"):
-            trace = jax.make_jaxpr(lambda x: layer(x, valid=valid[:, :16])[0])(x[:, :16])
-            kernels[on] = str(trace).count("name=conv_silu_chunk")
-            first, state = layer(x[:, :16], valid=valid[:, :16])
-            second, state = layer(x[:, 16:], state, valid=valid[:, 16:])
+        with use_implementation("pallas"):  # one chunk's function, traced under the switch, for both chunks
+            chunk = jax.jit(lambda x, state, valid: layer(x, state, valid=valid))
+            state = layer.initial_state(2)
+            kernels[on] = str(chunk.trace(x[:, :12], state, valid[:, :12]).jaxpr).count("name=conv_silu_chunk")
+            first, state = chunk(x[:, :12], state, valid[:, :12])
+            second, state = chunk(x[:, 12:], state, valid[:, 12:])
         runs[on] = (first, second, state.conv, state.recurrent)
     assert (kernels[True], kernels[False]) == (1, 0)
     for got, want in zip(runs[True], runs[False]):
