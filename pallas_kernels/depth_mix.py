@@ -57,7 +57,7 @@ def _mix_norm_kernel(partial_ref, *refs, n_blocks: int, stacked: bool, mix_eps: 
         sources = [load(ref.at[pl.ds(row, 1), pl.ds(0, width)]) for ref in block_refs]
     sources.append(load(partial_ref.at[pl.ds(row, 1), pl.ds(0, width)]))
     query = load(site_norm_ref.at[:, pl.ds(0, width)]) * load(site_proj_ref.at[:, pl.ds(0, width)])
-    count = pltriton.load(count_ref.at[pl.ds(0, 1)])[None, :] if stacked else n_blocks
+    count = pltriton.load(count_ref.at[pl.ds(0, 1)])[None, :] if stacked else None
     # loaded with the sources: a load written after the reductions below would wait for their barriers
     norm_weight = None if norm_ref is None else load(norm_ref.at[:, pl.ds(0, width)])
     scores = []

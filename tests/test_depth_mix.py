@@ -159,12 +159,12 @@ def test_the_mix_kernel_takes_the_stored_blocks_where_known():
     for count in (0, 2):
         stored = tuple(stack[:count])
         mix = DepthMix(stack, jnp.asarray(count), partial.reshape(2, 3, DEPTH), site_norm, site_proj, MIX_EPS, stored)
-        given, none = _mix_blocks(mix, mix.reshape(-1, DEPTH))
+        given, none = _mix_blocks(mix.reshape(-1, DEPTH))
         assert none is None and len(given) == count
         for got, want in zip(given, blocks[:count]):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
         plain = DepthMix(stack, jnp.asarray(count), mix.partial, site_norm, site_proj, MIX_EPS)
-        got_stack, got_count = _mix_blocks(plain, plain.reshape(-1, DEPTH))
+        got_stack, got_count = _mix_blocks(plain.reshape(-1, DEPTH))
         assert got_stack.shape == (3, 6, DEPTH) and int(got_count) == count
 
 

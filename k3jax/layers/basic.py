@@ -117,9 +117,9 @@ def materialize(x: "Array | DepthMix") -> Array:
     return x.value() if isinstance(x, DepthMix) else x
 
 
-def _mix_blocks(mix: DepthMix, rows: DepthMix) -> tuple:
-    """``mix_norm``'s blocks and count for a mix (``rows``: the same over [M, D]): the blocks the layers stored, as
-    arrays of their own, where the mix knows them (``k3jax.model.MIX_STORED_BLOCKS``), else the stack and the count."""
+def _mix_blocks(rows: DepthMix) -> tuple:
+    """``mix_norm``'s blocks and count for a mix over [M, D]: the blocks the layers stored, as arrays of their own,
+    where the mix knows them (``k3jax.model.MIX_STORED_BLOCKS``), else the stack and the count."""
     if rows.stored is not None:
         return list(rows.stored), None
     return rows.blocks, rows.n_blocks
@@ -133,7 +133,7 @@ def _mixed(mix: DepthMix, norm: "RMSNorm | None", kernel: bool) -> tuple[Array, 
     from pallas_kernels.depth_mix import mix_norm
 
     rows = mix.reshape(-1, mix.shape[-1])
-    out = mix_norm(rows.partial, *_mix_blocks(mix, rows), rows.norm_weight, rows.proj_weight, rows.eps,
+    out = mix_norm(rows.partial, *_mix_blocks(rows), rows.norm_weight, rows.proj_weight, rows.eps,
                    None if norm is None else (norm.weight[...], norm.eps))
     return out.reshape(mix.shape), None
 

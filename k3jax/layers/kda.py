@@ -68,13 +68,18 @@ CONV_IN_MAPS = True
 CONV_KERNEL_AT_PREFILL = False
 
 
+def _input_states(xs, state) -> list:
+    """Each input's channels of the conv state [B, W - 1, n F] (the inputs' channels side by side)."""
+    ends = np.cumsum([x.shape[-1] for x in xs])
+    return [state[..., end - x.shape[-1]:end] for x, end in zip(xs, ends)]
+
+
 def _short_convs_xla(xs, taps, state, lengths):
     """silu of the causal short convs of q, k, v [B, T, F] (``causal_conv`` on each, with its channels
     of the state [B, W - 1, 3 F]; no concatenated copy of the inputs) and the new conv state."""
-    ends = np.cumsum([x.shape[-1] for x in xs])
     ys, states = [], []
-    for x, w, end in zip(xs, taps, ends):
-        y, s = causal_conv(x, w, state[..., end - x.shape[-1]:end], lengths)
+    for x, w, s in zip(xs, taps, _input_states(xs, state)):
+        y, s = causal_conv(x, w, s, lengths)
         ys.append(jax.nn.silu(y))
         states.append(s)
     return (*ys, jnp.concatenate(states, axis=-1))
@@ -93,9 +98,7 @@ def _short_convs(xs, taps, state, lengths):
         return (*(y[:, None] for y in ys), state)
     if not CONV_KERNEL_AT_PREFILL:
         return _short_convs_xla(xs, taps, state, lengths)
-    ends = np.cumsum([x.shape[-1] for x in xs])
-    states = [last_inputs(x.astype(jnp.float32), state[..., end - x.shape[-1]:end], lengths)
-              for x, end in zip(xs, ends)]
+    states = [last_inputs(x.astype(jnp.float32), s, lengths) for x, s in zip(xs, _input_states(xs, state))]
     return (*conv_silu_chunk(xs, taps, state), jnp.concatenate(states, axis=-1))
 
 
