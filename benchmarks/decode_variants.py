@@ -30,10 +30,7 @@ Each switch turns one change off (module attributes read while a step is traced)
   experts by the sorted dispatch or, up to 64 pairs, the fused kernels, not the tiled Mosaic GPU MoE);
 - mix by XLA: ``k3jax.layers.basic.MIX_KERNEL_ANY_ROWS`` False (at more than one row the AttnRes mixes and the
   norms after them by XLA's fusions, not ``pallas_kernels.depth_mix``; one row keeps the kernel).
-A candidate turns a form on that is not the default yet (``CANDIDATES``):
-- stored blocks to the mixes: ``k3jax.model.MIX_STORED_BLOCKS`` (each AttnRes mix kernel reads the blocks as the
-  arrays the layers stored, not the block stack).
-Variants: the default, each switch alone, each candidate alone, all the changes off, all the candidates on.
+Variants: the default, each switch alone, all the changes off.
 Also prints each variant's first logits against the default's (with random bf16 weights the model amplifies
 float32 summation order).
 """
@@ -76,10 +73,7 @@ OFF = {  # a change's name -> (owner, attribute, value with the change off)
     "sorted MoE at decode": (moe_layer, "TILED_MOE_AT_DECODE", False),
     "mix by XLA": (basic, "MIX_KERNEL_ANY_ROWS", False),
 }
-CANDIDATES = {  # a candidate's name -> (owner, attribute, value with it on)
-    "stored blocks to the mixes": (model_module, "MIX_STORED_BLOCKS", True),
-}
-SWITCHES = Switches(OFF, CANDIDATES)
+SWITCHES = Switches(OFF)
 
 
 def main() -> None:

@@ -9,19 +9,16 @@ variant's form, not the last one set), so lease-to-lease drift does not enter th
 Each switch turns one change off (module attributes read while a prefill chunk is traced):
 - absorbed MLA prefill: ``MLA._flash_kernel`` False (prefill chunks attend in the absorbed XLA form, not
   by ``pallas_kernels.prefill_attention`` over keys expanded from the latents);
-- concatenated short convs: KDA's short convs as one conv over q, k and v side by side, split after
-  (the form before the thirteenth session), not one conv per input;
 - sorted MoE dispatch: ``k3jax.layers.moe.TILED_MOE_AT_PREFILL`` False (the routed experts of
   `mini`'s 2048-token chunks by the sorted dispatch on the Triton grouped kernel, not by
   ``pallas_kernels.mx_matmul.tiled_moe_mx``, the grouped Mosaic GPU kernel in its tiled layout);
 - mix by XLA: ``k3jax.layers.basic.MIX_KERNEL_ANY_ROWS`` False (the AttnRes mixes and the norms after them by
-  XLA's fusions, which re-read a block's sublayer outputs in each mix, not ``pallas_kernels.depth_mix``).
-A candidate turns a form on that is not the default yet (``CANDIDATES``):
-- stored blocks to the mixes: ``k3jax.model.MIX_STORED_BLOCKS`` (each AttnRes mix kernel reads the blocks as the
-  arrays the layers stored, not the block stack that XLA writes out before it).
-- conv kernel at prefill: ``k3jax.layers.kda.CONV_KERNEL_AT_PREFILL`` (KDA's short convs and SiLU in one Pallas
-  kernel, ``pallas_kernels.short_conv.conv_silu_chunk``, not XLA's fusion).
-Variants: the default, each switch alone, each candidate alone, all the changes off. Also prints each
+  XLA's fusions, which re-read a block's sublayer outputs in each mix, not ``pallas_kernels.depth_mix``);
+- short convs by XLA: ``k3jax.layers.kda.CONV_KERNEL_AT_PREFILL`` False (KDA's short convs and their SiLU by XLA's
+  fusion, not ``pallas_kernels.short_conv.conv_silu_chunk``);
+- dot merger: ``k3jax.inference.PREFILL_GPU_OPTIONS`` empty (XLA's dot merger on: each layer's projections as one
+  matmul over their weights, concatenated on every call).
+Variants: the default, each switch alone, all the changes off. Also prints each
 variant's last-token logits against the default's. Each variant compiles its own 8K prefill (80-110 s each on the H200), so
 within a 10-minute call name one or two variants.
 """
@@ -35,33 +32,23 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import k3jax.inference as inference
 import k3jax.layers.basic as basic
 import k3jax.layers.kda as kda
 import k3jax.layers.moe as moe
-import k3jax.model as model_module
 from k3jax import Generator, K3Model, preset, use_implementation
-from k3jax.functional.conv import causal_conv
 from k3jax.layers.mla import MLA
 from switches import Switches
 
 
-def _concatenated_short_convs(xs, taps, state, lengths):
-    """The short convs as one conv over the inputs' channels side by side (the earlier form)."""
-    y, state = causal_conv(jnp.concatenate(xs, axis=-1), jnp.concatenate(taps), state, lengths)
-    return (*jnp.split(jax.nn.silu(y), len(xs), axis=-1), state)
-
-
 OFF = {  # a change's name -> (owner, attribute, value with the change off)
     "absorbed MLA prefill": (MLA, "_flash_kernel", lambda self: False),
-    "concatenated short convs": (kda, "_short_convs_xla", _concatenated_short_convs),
     "sorted MoE dispatch": (moe, "TILED_MOE_AT_PREFILL", False),
     "mix by XLA": (basic, "MIX_KERNEL_ANY_ROWS", False),
+    "short convs by XLA": (kda, "CONV_KERNEL_AT_PREFILL", False),
+    "dot merger": (inference, "PREFILL_GPU_OPTIONS", {}),
 }
-CANDIDATES = {  # a candidate's name -> (owner, attribute, value with it on)
-    "stored blocks to the mixes": (model_module, "MIX_STORED_BLOCKS", True),
-    "conv kernel at prefill": (kda, "CONV_KERNEL_AT_PREFILL", True),
-}
-SWITCHES = Switches(OFF, CANDIDATES)
+SWITCHES = Switches(OFF)
 
 
 def main() -> None:

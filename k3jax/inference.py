@@ -48,6 +48,12 @@ class Generation:
 # XLA's one-stream schedule, so kernels that share no buffer may run side by side: on the H200
 # the B=64 step of `mini` took 2.73 ms against 3.11 (benchmarks/RESULTS.md, issue 4, tenth session).
 DECODE_GPU_OPTIONS = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
+# A prefill chunk's: XLA's dot merger off. It joins the matmuls that read one input (a layer's projections) into one
+# over their weights concatenated, a copy of the weights (up to 32 MB at `mini`) written on every call: on the H200, 33
+# copies in a 2048-token `mini` chunk, 290 us of its 10.6 ms; without them a 2048-token prompt took 19.5 against 20.7
+# ms (best of five rounds; medians 22.2 and 22.7). The decode step keeps the merger: its concurrent command buffer
+# runs the copies beside the step's chain (B=8 and B=64 tied) (benchmarks/RESULTS.md, issue 4, thirty-first session).
+PREFILL_GPU_OPTIONS = {"xla_disable_hlo_passes": "dot-merger"}
 # Prompt tokens per prefill call: on the H200 a 4096-token `mini` prompt took 35.3 ms in chunks of 2048 against
 # 67.6 in chunks of 256, with as many compiles (benchmarks/RESULTS.md, issue 4, thirtieth session).
 DEFAULT_PREFILL_CHUNK = 2048
@@ -57,6 +63,12 @@ def decode_compiler_options() -> dict | None:
     """The ``compiler_options`` of a jitted decode step: ``DECODE_GPU_OPTIONS`` (as it is at the call) on a
     GPU, none elsewhere."""
     return DECODE_GPU_OPTIONS if jax.default_backend() == "gpu" else None
+
+
+def prefill_compiler_options() -> dict | None:
+    """The ``compiler_options`` of a jitted prefill chunk: ``PREFILL_GPU_OPTIONS`` (as it is at the call) on a
+    GPU, none elsewhere."""
+    return PREFILL_GPU_OPTIONS if jax.default_backend() == "gpu" else None
 
 
 class Generator:
@@ -89,7 +101,8 @@ class Generator:
         self._graph, params = nnx.split(model)
         self._weights, self._treedef = jax.tree_util.tree_flatten(params)
         self._model = model
-        self._extend = jax.jit(self._extend_fn, donate_argnums=2, static_argnames=("window", "head"))
+        self._extend = jax.jit(self._extend_fn, donate_argnums=2, static_argnames=("window", "head"),
+                               compiler_options=prefill_compiler_options())
         self._logits = jax.jit(self._logits_fn)
         self._decode = jax.jit(self._decode_fn, donate_argnums=2, static_argnames=("sampling", "window"),
                                compiler_options=decode_compiler_options())

@@ -32,14 +32,6 @@ from k3jax.layers.mlp import DenseMLP, activation
 from k3jax.layers.moe import MoE
 from k3jax.typing import Array
 
-# Candidate (off): unrolled layers keep the AttnRes blocks they store as arrays of their own beside the block stack
-# and hand those to each mix kernel (``k3jax.layers.basic._mix_blocks``), not the stack. XLA writes a stack that a
-# kernel takes whole out before it (33 concatenations, 6-25 us each, in a 2048-token `mini` prefill chunk on the
-# H200); slices of the stack, tried first, made the B=1 step slower (0.947 against 0.869 ms, best of 6 rounds: copies
-# of the slices, by hypothesis). Not measured yet (benchmarks/RESULTS.md, issue 4, thirtieth session). Read while a
-# forward is traced.
-MIX_STORED_BLOCKS = False
-
 
 class MixWeights(NamedTuple):
     """Block AttnRes mixing weights (research output): per layer [L, 2 (attn, mlp), N+1, B, T] and
@@ -101,22 +93,20 @@ class DecoderLayer(nnx.Module):
         x, cache = self.attention(x, cache, ctx, residual=x)
         return self.ffn(x, residual=x), jnp.zeros((), x.dtype), cache
 
-    def attn_res(self, carry: tuple, commit: "bool | Array", cache=None, ctx=None):
-        """K3's Block AttnRes step. carry = (blocks [N, B, T, D], n_blocks, x, stored): ``stored`` the valid
-        blocks as a tuple of the arrays stored (``MIX_STORED_BLOCKS``; else None); ``commit`` (a Python bool for
-        unrolled layers, a traced one in a scan) says this layer starts a block. Returns the new carry, the two
-        mixes' weights [2, N+1, B, T] and the layer's cache."""
-        blocks, n, partial, stored = carry
-        h = self.self_attention_res.deferred(blocks, n, partial, stored)  # computed by its reader (``project``)
+    def attn_res(self, carry: tuple[Array, Array, Array], commit: "bool | Array", cache=None, ctx=None):
+        """K3's Block AttnRes step. carry = (blocks [N, B, T, D], n_blocks, x); ``commit`` (a Python
+        bool for unrolled layers, a traced one in a scan) says this layer starts a block. Returns the
+        new carry, the two mixes' weights [2, N+1, B, T] and the layer's cache."""
+        blocks, n, partial = carry
+        h = self.self_attention_res.deferred(blocks, n, partial)  # computed by its reader (``project``)
         with jax.named_scope("attn_res"):
             w_attn = h.weights()
         blocks, n = _store_block(blocks, n, partial, commit)
-        stored = stored + (partial,) if stored is not None and commit else stored
         partial, cache = self.attention(h, cache, ctx, residual=_kept_partial(partial, commit))
-        h = self.mlp_res.deferred(blocks, n, partial, stored)
+        h = self.mlp_res.deferred(blocks, n, partial)
         with jax.named_scope("attn_res"):
             w_mlp = h.weights()
-        return (blocks, n, self.ffn(h, residual=partial), stored), jnp.stack([w_attn, w_mlp]), cache
+        return (blocks, n, self.ffn(h, residual=partial)), jnp.stack([w_attn, w_mlp]), cache
 
 
 def _kept_partial(partial: Array, commit: "bool | Array") -> Array | None:
@@ -249,7 +239,7 @@ class K3Model(nnx.Module):
         block = cfg.attn_res_block_size
         if block:
             blocks = jnp.zeros((-(-cfg.num_layers // block), *x.shape), x.dtype)
-            carry = (blocks, jnp.asarray(0, jnp.int32), x, () if MIX_STORED_BLOCKS and not scan_layers else None)
+            carry = (blocks, jnp.asarray(0, jnp.int32), x)
             step = lambda layer, c, i, lc: layer.attn_res(c, i % block == 0, lc, ctx)
         else:
             carry = x
@@ -262,7 +252,7 @@ class K3Model(nnx.Module):
             new_cache.append(run_cache)
         out_weights = None
         if block:
-            blocks, n, partial, _ = carry
+            blocks, n, partial = carry
             if logits_at is not None:  # mix only the tokens the head reads
                 blocks, partial = _token_at(blocks, logits_at), _token_at(partial, logits_at)
             with jax.named_scope("attn_res"):

@@ -1,4 +1,4 @@
-"""One decode step of KDA's short convolutions and SiLU, with the conv state updated in place.
+"""KDA's short convolutions and SiLU: one decode step with the conv state updated in place, and a prefill chunk.
 
 ``conv_silu_step(xs, taps, state)`` is, for one new token per sequence, what the KDA layer computes as
 ``causal_conv(concatenate(xs), concatenate(taps), state)`` followed by ``jax.nn.silu``
@@ -11,7 +11,13 @@ as the layer stores them), and the state moves up one token: rows 1.. become row
 the last row. XLA does this at a decode step as two kernels (a copy of the state buffer, which the
 update would otherwise overwrite while reading it, then one fusion), plus the concatenations; here
 one program per (sequence, input, block of channels) reads its state columns, then writes them, so the
-state is updated where it lies (the output aliases it). Interpret mode on CPU.
+state is updated where it lies (the output aliases it).
+
+``conv_silu_chunk(xs, taps, state)`` is the same convs and SiLU over a prefill chunk's tokens: one program per
+(sequence, ``CHUNK_ROWS`` tokens, input and block of channels) takes the W-1 inputs before its first token (from x,
+or from the state) and walks its tokens, summing in the decode step's order. The state after the chunk is left to
+XLA (``k3jax.functional.conv.last_inputs``). On the H200 it took 44-45 us a `mini` KDA layer at a 2048-token chunk
+against 48-77 for XLA's fusion (benchmarks/RESULTS.md, issue 4, thirty-first session). Interpret mode on CPU.
 """
 
 from __future__ import annotations

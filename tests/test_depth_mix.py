@@ -31,14 +31,11 @@ def _inputs(m: int, dtype, seed: int):
 
 @pytest.mark.parametrize("m,count,dtype,norm", [(1, 2, jnp.bfloat16, True), (3, 0, jnp.float32, True),
                                                 (3, 3, jnp.bfloat16, False)])
-@pytest.mark.parametrize("form", ["stack", "sequence"])
-def test_mix_norm_matches_mix_then_norm(m, count, dtype, norm, form):
-    """Blocks past ``count`` hold random values the mix must ignore (the stack, masked); or the valid blocks handed
-    as a sequence, operands of their own."""
+def test_mix_norm_matches_mix_then_norm(m, count, dtype, norm):
+    """Blocks past ``count`` hold random values the mix must ignore."""
     blocks, partial, site_norm, site_proj, norm_weight = _inputs(m, dtype, seed=m + count)
     rms = (norm_weight, EPS) if norm else None
-    given = (blocks, jnp.asarray(count)) if form == "stack" else (list(blocks[:count]), None)
-    out = jax.jit(lambda p, b, n: mix_norm(p, b, n, site_norm, site_proj, MIX_EPS, rms))(partial, *given)
+    out = mix_norm(partial, blocks, count, site_norm, site_proj, MIX_EPS, rms)
     mixed, weights = attn_res_mix(blocks[:, :, None], count, partial[:, None], site_norm, site_proj, MIX_EPS)
     assert float(jnp.max(weights)) > 0.5  # one source dominates: the scores matter
     ref = mixed[:, 0].astype(dtype)
@@ -64,12 +61,6 @@ def test_bad_inputs_are_refused():
         mix_norm(partial, jnp.zeros((3, 2, 64)), 1, w, jnp.ones((32,)), MIX_EPS)
     with pytest.raises(ValueError, match="norm weight must hold D = 64"):
         mix_norm(partial, jnp.zeros((3, 2, 64)), 1, w, w, MIX_EPS, (jnp.ones((8,)), EPS))
-    with pytest.raises(ValueError, match="count: give the number of valid blocks"):
-        mix_norm(partial, jnp.zeros((3, 2, 64)), None, w, w, MIX_EPS)
-    with pytest.raises(ValueError, match="give None with a sequence"):
-        mix_norm(partial, [jnp.zeros((2, 64))], 1, w, w, MIX_EPS)
-    with pytest.raises(ValueError, match=r"each be \[M, D\] = \(2, 64\)"):
-        mix_norm(partial, [jnp.zeros((2, 64)), jnp.zeros((1, 64))], None, w, w, MIX_EPS)
 
 
 @pytest.mark.parametrize("latent", [None, 16])
@@ -110,88 +101,3 @@ def test_project_mixes_many_rows_in_the_kernel(monkeypatch):
     want = jnp.einsum("btd,od->bto", rms_norm(new_mix().value(), norm_weight, EPS), w, precision="highest")
     for on in (True, False):
         np.testing.assert_allclose(np.asarray(outs[on]), np.asarray(want), rtol=1e-5, atol=1e-5)
-
-
-def _mix_calls(jaxpr) -> list:
-    """The operand shapes of every mix + norm kernel in a jaxpr, nested jaxprs (jit, scan) included."""
-    calls = []
-    for eqn in jaxpr.eqns:
-        name = eqn.params.get("name") or getattr(eqn.params.get("name_and_src_info"), "name", "")  # JAX 0.10 / 0.11
-        if eqn.primitive.name == "pallas_call" and name == "mix_norm":
-            calls.append([v.aval.shape for v in eqn.invars])
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (list, tuple)) else [value]:
-                sub = getattr(sub, "jaxpr", sub)
-                if hasattr(sub, "eqns"):
-                    calls += _mix_calls(sub)
-    return calls
-
-
-@pytest.mark.parametrize("stored,scan_layers,tokens", [(True, False, 8), (True, False, 1), (False, False, 8),
-                                                       (True, True, 8)])
-def test_mix_kernels_read_the_stored_blocks(stored, scan_layers, tokens, monkeypatch):
-    """With ``MIX_STORED_BLOCKS`` the unrolled model (a prompt, a decode step) hands every mix kernel the blocks it
-    stored as [M, D] operands of their own; without it, or in a scan, each takes the stack and a count."""
-    from k3jax import K3Model, model as model_module, preset, use_implementation
-
-    monkeypatch.setattr(model_module, "MIX_STORED_BLOCKS", stored)
-    cfg = preset("tiny")
-    model = K3Model(cfg, rngs=nnx.Rngs(0))
-    with use_implementation("pallas"):
-        trace = jax.make_jaxpr(lambda t: model(t, scan_layers=scan_layers))(jnp.zeros((2, tokens), jnp.int32))
-    calls = _mix_calls(trace)
-    assert calls and (scan_layers or len(calls) == 2 * cfg.num_layers)  # a scanned group's body is traced once
-    ranks = {max(len(shape) for shape in call) for call in calls}
-    if stored and not scan_layers:
-        # partial, blocks, site weights, norm weight: one operand more for each stored block
-        assert ranks == {2} and max(map(len, calls)) == 4 + -(-cfg.num_layers // cfg.attn_res_block_size)
-    else:
-        assert ranks == {3}
-
-
-def test_the_mix_kernel_takes_the_stored_blocks_where_known():
-    """``_mix_blocks``: a mix that knows its stored blocks hands them over [M, D], no count; else the stack over
-    [M, D] and the count."""
-    from k3jax.layers.basic import _mix_blocks
-
-    blocks, partial, site_norm, site_proj, _ = _inputs(6, jnp.float32, seed=3)
-    stack = blocks.reshape(3, 2, 3, DEPTH)
-    for count in (0, 2):
-        stored = tuple(stack[:count])
-        mix = DepthMix(stack, jnp.asarray(count), partial.reshape(2, 3, DEPTH), site_norm, site_proj, MIX_EPS, stored)
-        given, none = _mix_blocks(mix.reshape(-1, DEPTH))
-        assert none is None and len(given) == count
-        for got, want in zip(given, blocks[:count]):
-            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-        plain = DepthMix(stack, jnp.asarray(count), mix.partial, site_norm, site_proj, MIX_EPS)
-        got_stack, got_count = _mix_blocks(plain.reshape(-1, DEPTH))
-        assert got_stack.shape == (3, 6, DEPTH) and int(got_count) == count
-
-
-def test_the_model_hands_the_mixes_the_blocks_it_stored(monkeypatch):
-    """The tiny model's logits (random mix queries) with ``MIX_STORED_BLOCKS`` equal those without, every mix going
-    through ``mix_norm``'s interface (here an XLA stand-in taking a stack or a sequence, so the test runs the wiring:
-    which arrays reach the kernel), the rest of the model on the reference path."""
-    import pallas_kernels.depth_mix as depth_mix
-    from conftest import build
-    from k3jax import model as model_module
-    from k3jax.layers import basic
-
-    def stand_in(partial, blocks, count, site_norm, site_proj, mix_eps, norm):
-        if count is None:  # a sequence: every block valid
-            count, blocks = len(blocks), jnp.stack(list(blocks) or [jnp.zeros_like(partial)])
-        mixed = attn_res_mix(blocks, count, partial, site_norm, site_proj, mix_eps)[0].astype(partial.dtype)
-        return rms_norm(mixed, *norm)
-
-    monkeypatch.setattr(depth_mix, "mix_norm", stand_in)
-    monkeypatch.setattr(basic, "triton_kernels", lambda: True)
-    built = build("tiny")
-    tokens = jax.random.randint(jax.random.key(2), (2, 8), 0, built.cfg.vocab_size)
-    logits = {}
-    for stored in (True, False):
-        monkeypatch.setattr(model_module, "MIX_STORED_BLOCKS", stored)
-        logits[stored] = jax.jit(lambda t: built.model(t, scan_layers=False))(tokens)
-    # the stand-in sums fewer sources in another order: float32 roundings, which this model amplifies to about
-    # 1e-5; a wrong block (the stored partial scaled by 1.01) moves them by 3e-1
-    err = float(jnp.linalg.norm(logits[True] - logits[False]) / jnp.linalg.norm(logits[False]))
-    assert err < 1e-3, err

@@ -10,7 +10,7 @@ from flax import nnx
 from conftest import build
 from k3jax.implementation import use_implementation
 from k3jax.layers import basic
-from k3jax.inference import DECODE_GPU_OPTIONS, Generator
+from k3jax.inference import DECODE_GPU_OPTIONS, PREFILL_GPU_OPTIONS, Generator
 from k3jax.layers.mla import MLA
 from k3jax.model import layer_groups
 from k3jax.presets import preset
@@ -208,15 +208,20 @@ def test_invalid_sampling_values(kwargs, match):
         Sampling(**kwargs)
 
 
-def test_decode_gpu_options_are_xla_compile_options():
-    """The decode step's GPU compile options (the concurrent command-buffer schedule) are an XLA option
-    and value that a compile accepts (on any backend), where a misspelt value is refused."""
-    double = lambda x: x * 2
-    compiled = jax.jit(double, compiler_options=DECODE_GPU_OPTIONS).lower(jnp.arange(3.0)).compile()
-    np.testing.assert_array_equal(compiled(jnp.arange(3.0)), [0.0, 2.0, 4.0])
+def test_gpu_options_are_xla_compile_options():
+    """The decode step's and the prefill's GPU compile options (the concurrent command-buffer schedule; the dot
+    merger off) are XLA options a compile accepts (on any backend) and that leave the result as it is, where a
+    misspelt value is refused."""
+    merged = lambda x, a, b: (x @ a, x @ b)  # two matmuls of one input: what the dot merger joins
+    x, a, b = (jax.random.normal(jax.random.key(i), shape) for i, shape in enumerate([(4, 8), (8, 16), (8, 8)]))
+    want = merged(x, a, b)
+    for options in (DECODE_GPU_OPTIONS, PREFILL_GPU_OPTIONS):
+        got = jax.jit(merged, compiler_options=options).lower(x, a, b).compile()(x, a, b)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
     misspelt = {name: value[:-1] for name, value in DECODE_GPU_OPTIONS.items()}
     with pytest.raises(Exception, match="not a valid enum value"):
-        jax.jit(double, compiler_options=misspelt).lower(jnp.arange(3.0)).compile()
+        jax.jit(merged, compiler_options=misspelt).lower(x, a, b).compile()
 
 
 def test_pallas_batch_one_decode_matvec_kernel_equals_einsums(monkeypatch):

@@ -54,9 +54,9 @@ def attn_res_mix(
 class DepthMix:
     """A mix site's inputs, for its reader to mix: ``value()`` is ``attn_res_mix``'s output rounded to
     the partial's dtype (what the next layer reads), ``weights()`` its mixing weights. The reader
-    chooses how: ``k3jax.layers.basic.project`` mixes and norms in one kernel on the Pallas path off TPU
-    (reading ``stored`` where the layers give it), else calls value(). shape, dtype and reshape are the
-    partial's, so layers pass a mix on like an array."""
+    chooses how: ``k3jax.layers.basic.project`` mixes and norms in one kernel at one row on the
+    Pallas path, else calls value(). shape, dtype and reshape are the partial's, so layers pass a mix
+    on like an array."""
 
     blocks: Array
     n_blocks: Array | int
@@ -64,7 +64,6 @@ class DepthMix:
     norm_weight: Array
     proj_weight: Array
     eps: float
-    stored: tuple[Array, ...] | None = None  # the n_blocks valid blocks as the arrays the layers stored, when known
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -81,9 +80,8 @@ class DepthMix:
     def reshape(self, *shape: int) -> "DepthMix":
         """The same mix over the partial reshaped to ``shape`` (the blocks alike)."""
         partial = self.partial.reshape(*shape)
-        stored = None if self.stored is None else tuple(b.reshape(partial.shape) for b in self.stored)
         return dataclasses.replace(self, blocks=self.blocks.reshape(self.blocks.shape[0], *partial.shape),
-                                   partial=partial, stored=stored)
+                                   partial=partial)
 
     @functools.cached_property
     def _mix(self) -> tuple[Array, Array]:

@@ -23,12 +23,9 @@ class AttnRes(nnx.Module):
         self.norm = RMSNorm(dim, eps, param_dtype=param_dtype)
         self.proj = _Query(dim, param_dtype)
 
-    def deferred(self, blocks: Array, n_blocks: Array | int, partial: Array,
-                 stored: tuple[Array, ...] | None = None) -> DepthMix:
-        """blocks [N, B, T, D] (first n_blocks valid; ``stored``: those as the arrays the layers stored, when
-        known), partial [B, T, D] -> the mix, for its reader to compute."""
-        return DepthMix(blocks, n_blocks, partial, self.norm.weight[...], self.proj.weight[...][0], self.norm.eps,
-                        stored)
+    def deferred(self, blocks: Array, n_blocks: Array | int, partial: Array) -> DepthMix:
+        """blocks [N, B, T, D] (first n_blocks valid), partial [B, T, D] -> the mix, for its reader to compute."""
+        return DepthMix(blocks, n_blocks, partial, self.norm.weight[...], self.proj.weight[...][0], self.norm.eps)
 
     def __call__(self, blocks: Array, n_blocks: Array | int, partial: Array) -> tuple[Array, Array]:
         """blocks [N, B, T, D] (first n_blocks valid), partial [B, T, D] -> (mix [B, T, D], weights [N+1, B, T])."""

@@ -71,8 +71,7 @@ ACT_PROLOGUE_MAX_WIDTH = 1024
 # (``pallas_kernels.depth_mix``) at any number of rows (prefill chunks, batched decode), not only where the matvec
 # kernel reads it (one row); False: XLA's fusions there (a switch for the benchmarks' variants). On the H200 `mini`'s
 # B=64 step took 2.26 against 2.40 ms, B=8 1.57 against 1.65 (medians), an 8K prefill 55.3 against 55.4 and 52.3
-# against 52.3 on a second lease, where XLA writes the block stack out before each kernel's mix (benchmarks/RESULTS.md,
-# issue 4, twenty-ninth and thirtieth sessions).
+# against 52.3 on a second lease (benchmarks/RESULTS.md, issue 4, twenty-ninth and thirtieth sessions).
 MIX_KERNEL_ANY_ROWS = True
 # Whether ``project``'s kernel path adds its ``add`` arrays in the matvec kernel (else XLA adds after
 # it; a switch for ``benchmarks/decode_variants.py``).
@@ -117,14 +116,6 @@ def materialize(x: "Array | DepthMix") -> Array:
     return x.value() if isinstance(x, DepthMix) else x
 
 
-def _mix_blocks(rows: DepthMix) -> tuple:
-    """``mix_norm``'s blocks and count for a mix over [M, D]: the blocks the layers stored, as arrays of their own,
-    where the mix knows them (``k3jax.model.MIX_STORED_BLOCKS``), else the stack and the count."""
-    if rows.stored is not None:
-        return list(rows.stored), None
-    return rows.blocks, rows.n_blocks
-
-
 def _mixed(mix: DepthMix, norm: "RMSNorm | None", kernel: bool) -> tuple[Array, "RMSNorm | None"]:
     """A Block AttnRes mix's value and the norm still to apply: with ``kernel``, mixed and normed in
     one small kernel (``pallas_kernels.depth_mix``), else by XLA (the norm left to the caller)."""
@@ -133,7 +124,7 @@ def _mixed(mix: DepthMix, norm: "RMSNorm | None", kernel: bool) -> tuple[Array, 
     from pallas_kernels.depth_mix import mix_norm
 
     rows = mix.reshape(-1, mix.shape[-1])
-    out = mix_norm(rows.partial, *_mix_blocks(rows), rows.norm_weight, rows.proj_weight, rows.eps,
+    out = mix_norm(rows.partial, rows.blocks, rows.n_blocks, rows.norm_weight, rows.proj_weight, rows.eps,
                    None if norm is None else (norm.weight[...], norm.eps))
     return out.reshape(mix.shape), None
 

@@ -62,10 +62,12 @@ def _kda_core_fused(q, k, v, z, a_log, dt_bias, beta_logits, state, lower_bound:
 # logits bitwise equal (benchmarks/RESULTS.md, issue 4, twenty-first session). "conv kernel" in
 # benchmarks/decode_variants.py turns it off. Read at the call.
 CONV_IN_MAPS = True
-# Candidate (off): a prefill chunk's short convs and SiLU in one Pallas kernel (``pallas_kernels.short_conv.
-# conv_silu_chunk``) instead of XLA's fusion, which took 48-77 us a KDA layer for about 72 MB at a 2048-token `mini`
-# chunk on the H200 (benchmarks/RESULTS.md, issue 4, thirtieth session); not measured yet. Read when traced.
-CONV_KERNEL_AT_PREFILL = False
+# Whether the Pallas path off TPU runs a prefill chunk's short convs and SiLU in one kernel (``pallas_kernels.
+# short_conv.conv_silu_chunk``), not XLA's fusion: at a 2048-token `mini` chunk on the H200 the kernel took 44-45 us a
+# KDA layer against 48-77 for the fusion (410 against 553 us a chunk), and an 8K prompt in one chunk 53.8 against 57.1
+# ms (best of five rounds, each spread over 57-69) (benchmarks/RESULTS.md, issue 4, thirtieth and thirty-first
+# sessions). "short convs by XLA" in benchmarks/prefill_variants.py turns it off. Read when traced.
+CONV_KERNEL_AT_PREFILL = True
 
 
 def _input_states(xs, state) -> list:
@@ -87,7 +89,7 @@ def _short_convs_xla(xs, taps, state, lengths):
 
 def _short_convs(xs, taps, state, lengths):
     """``_short_convs_xla``, or on the Pallas path off TPU: for a decode step (T = 1, no padding) one kernel that
-    also updates the state in place; for a prefill chunk with ``CONV_KERNEL_AT_PREFILL`` one kernel for the convs
+    also updates the state in place; for a prefill chunk (``CONV_KERNEL_AT_PREFILL``) one kernel for the convs
     and their SiLU, the state after them by XLA (``pallas_kernels.short_conv``)."""
     if not triton_kernels():
         return _short_convs_xla(xs, taps, state, lengths)
