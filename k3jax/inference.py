@@ -49,7 +49,7 @@ class Generation:
 # the B=64 step of `mini` took 2.73 ms against 3.11 (benchmarks/RESULTS.md, issue 4, tenth session).
 DECODE_GPU_OPTIONS = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
 # A prefill chunk's: XLA's dot merger off. It joins the matmuls that read one input (a layer's projections) into one
-# over their weights concatenated, a copy of the weights (up to 32 MB at `mini`) written on every call: on the H200, 33
+# over their weights concatenated, a copy of the weights (up to 46 MB at `mini`) written on every call: on the H200, 33
 # copies in a 2048-token `mini` chunk, 290 us of its 10.6 ms; without them a 2048-token prompt took 19.5 against 20.7
 # ms (best of five rounds; medians 22.2 and 22.7). The decode step keeps the merger: its concurrent command buffer
 # runs the copies beside the step's chain (B=8 and B=64 tied) (benchmarks/RESULTS.md, issue 4, thirty-first session).
