@@ -25,7 +25,8 @@ from k3jax.layers import basic
 from k3jax.memory import MXFP4_BYTES
 from k3jax.param_count import count_params
 
-from kernel_profile import chain_listing, chain_table, critical_path, device_times, dumped_hlo, kernel_table, source_paths
+from kernel_profile import (chain_listing, chain_table, critical_path, device_times, dumped_hlo, kernel_table,
+                            source_paths, weight_only, weight_only_table)
 
 
 def warm_up(step, seconds: float = 6.0) -> None:
@@ -93,7 +94,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10,
                     help="timed rounds of 20 decode steps per batch size (the best is reported, the median beside it)")
     ap.add_argument("--profile", default="", help="XLA dump folder (set XLA_FLAGS to dump there; see "
-                    "kernel_profile.py): print where the device time of a decode step and a prefill chunk goes")
+                    "kernel_profile.py): print where the device time of a decode step and a prefill chunk goes, "
+                    "what of it is work on the weights alone, and the step's critical path")
     ap.add_argument("--profile-top", type=int, default=25, help="rows per profile table")
     ap.add_argument("--profile-chain", action="store_true", help="also list the decode step's critical path link by link")
     ap.add_argument("--profile-gap", type=float, default=0.7,
@@ -138,6 +140,7 @@ def main() -> None:
                 paths = source_paths(hlo)
                 print(kernel_table(times, paths, top=args.profile_top))
                 if hlo:
+                    print(weight_only_table(weight_only(hlo), times, paths, top=args.profile_top))
                     chain = critical_path(hlo, times, args.profile_gap)
                     print(chain_table(chain, paths, top=args.profile_top))
                     if args.profile_chain:
@@ -165,7 +168,11 @@ def main() -> None:
                 times = device_times(lambda: gen._extend(gen._weights, chunk, gen.init_cache(1), start, lengths, last,
                                                              head=False)[0],
                                      calls=2)
-                print(kernel_table(times, source_paths(dumped_hlo(args.profile, "extend")), top=args.profile_top))
+                hlo = dumped_hlo(args.profile, "extend")
+                paths = source_paths(hlo)
+                print(kernel_table(times, paths, top=args.profile_top))
+                if hlo:
+                    print(weight_only_table(weight_only(hlo), times, paths, top=args.profile_top))
             mla = cfg.mla
             head = cfg.vocab_size * cfg.hidden_size  # the output head runs on each prompt's last token only
             flops = 2 * (counts.active - head) * T + 2 * head + cfg.layer_types.count("mla") * 2 * T * T * (

@@ -6,6 +6,7 @@ and the chain of kernels that the call's dependencies force (its critical path).
     chain = critical_path(hlo, times)
     print(chain_table(chain, paths))
     print(chain_listing(chain, paths))  # every link, in order
+    print(weight_only_table(weight_only(hlo), times, paths))  # work every call repeats on the weights
 
 ``run_once()`` makes one call (a closure, so it can thread a donated cache from call to call);
 ``hlo`` is the optimized HLO text that XLA wrote when run with
@@ -25,6 +26,11 @@ step takes about its longest chain of dependent kernels, each with one launch ga
 H200), and kernels beside that chain cost nothing (benchmarks/RESULTS.md, issue 4, eighteenth session).
 ``critical_path`` finds that chain in the entry computation's operand graph, weighing each instruction by
 its kernels' device time (from a profile with command buffers off) plus a gap per kernel.
+
+Work on the weights alone: ``weight_only`` lists the entry instructions computed from the jitted function's
+``weights`` argument and constants only, which every call repeats on the same values. At a `mini` prefill chunk
+these were 33 copies of the layers' projection weights, XLA's dot merger joining each layer's matmuls into one
+(benchmarks/RESULTS.md, issue 4, thirty-first session; the prefill now compiles without it).
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from jax.profiler import ProfileData
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = (.*)$")
 _NAME = re.compile(r"%([\w.\-]+)")
 _OP_NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*?metadata=\{[^}]*op_name=\"([^\"]+)\"", re.M)
+_PARAMETER = re.compile(r" parameter\(\d+\).*?op_name=\"([^\"]*)\"")
 _SKIP_LINES = ("XLA Modules", "XLA Ops", "Steps", "Launch Stats", "Source code", "TraceMe")
 
 
@@ -123,9 +130,8 @@ def kernel_table(times: DeviceTimes, paths: dict[str, str], top: int = 25) -> st
     return "\n".join(lines)
 
 
-def entry_operands(hlo: str) -> list[tuple[str, list[str]]]:
-    """The entry computation's instructions in order (operands before users), each with the names of
-    its operands (computations it calls and attribute text are not operands)."""
+def _entry_instructions(hlo: str) -> list[tuple[str, list[str], str]]:
+    """The entry computation's instructions in order: name, operand names, and the text after ``=``."""
     entry = re.search(r"^ENTRY ", hlo, re.M)
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text")
@@ -140,8 +146,41 @@ def entry_operands(hlo: str) -> list[tuple[str, list[str]]]:
         name, rhs = match.groups()
         i = _skip_parens(rhs, 0) if rhs.startswith("(") else rhs.index(" ")  # the shape
         opened = rhs.index("(", i)
-        out.append((name, _NAME.findall(rhs[opened:_skip_parens(rhs, opened)])))
+        out.append((name, _NAME.findall(rhs[opened:_skip_parens(rhs, opened)]), rhs))
     return out
+
+
+def entry_operands(hlo: str) -> list[tuple[str, list[str]]]:
+    """The entry computation's instructions in order (operands before users), each with the names of
+    its operands (computations it calls and attribute text are not operands)."""
+    return [(name, operands) for name, operands, _ in _entry_instructions(hlo)]
+
+
+def weight_only(hlo: str, argument: str = "weights") -> list[str]:
+    """The entry computation's instructions computed from the jitted function's ``argument`` (its parameters named
+    ``argument`` or ``argument[...]`` in their metadata) and constants alone, in order: work that every call repeats
+    on the same values (XLA's dot merger concatenating weights, pads, converts), which could be done once."""
+    derived, out = {}, []
+    for name, operands, rhs in _entry_instructions(hlo):
+        parameter = _PARAMETER.search(rhs)
+        if parameter:
+            derived[name] = parameter.group(1) == argument or parameter.group(1).startswith(argument + "[")
+        elif operands:
+            derived[name] = all(derived.get(o, False) for o in operands)
+            if derived[name]:
+                out.append(name)
+        else:  # constants, iotas
+            derived[name] = True
+    return out
+
+
+def weight_only_table(names: list[str], times: DeviceTimes, paths: dict[str, str], top: int = 25) -> str:
+    """The device time per call of the instructions ``weight_only`` found, summed and by instruction."""
+    ran = sorted((n for n in names if n in times.us), key=times.us.get, reverse=True)
+    us, kernels = sum(times.us[n] for n in ran), sum(times.kernels[n] for n in ran)
+    lines = [f"work on the weights and constants alone: {us:,.1f} us per call in {kernels:.0f} kernels"]
+    lines += [f"{times.us[n]:9.1f} {times.kernels[n]:6.1f}  {n} -> {short_path(paths.get(n, '?'))}" for n in ran[:top]]
+    return "\n".join(lines)
 
 
 def _skip_parens(text: str, start: int) -> int:

@@ -1,5 +1,6 @@
 """The decode step's critical path (benchmarks/kernel_profile.py): the longest chain of dependent kernels in
-an HLO module's entry computation, each weighed by its device time plus a launch gap."""
+an HLO module's entry computation, each weighed by its device time plus a launch gap; and the work a call
+repeats on its weights alone."""
 
 import sys
 from pathlib import Path
@@ -9,7 +10,8 @@ import jax.numpy as jnp
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from kernel_profile import DeviceTimes, chain_listing, chain_table, critical_path, entry_operands  # noqa: E402
+from kernel_profile import (DeviceTimes, chain_listing, chain_table, critical_path, entry_operands,  # noqa: E402
+                            source_paths, weight_only, weight_only_table)
 
 # Two chains into k3 (k1 -> k3, k2 -> k3 through a tuple and a get-tuple-element) and k4 on its own; a called
 # computation, tuple shapes, a TPU-style layout with parentheses and a backend config holding '%' names
@@ -80,3 +82,51 @@ def test_compiled_modules_parse_in_operand_order():
         assert set(operands) <= seen, (name, operands)
         seen.add(name)
     assert len(seen) >= 4
+
+
+# Weights w0, w1 and an activation x: a copy of the two weights joined (cat), a pad of that with a constant (pad),
+# zeros from a constant (zeros), and two instructions that read x (mix directly, out through mix).
+WEIGHTS_HLO = """HloModule prefill, entry_computation_layout={(f32[2]{0}, f32[2]{0}, f32[4]{0})->f32[4]{0}}
+
+ENTRY %main.3 (weights_0_.1: f32[2], weights_1_.1: f32[2], x.1: f32[4]) -> (f32[4], f32[4]) {
+  %weights_0_.1 = f32[2]{0} parameter(0), metadata={op_name="weights[0]"}
+  %weights_1_.1 = f32[2]{0} parameter(1), metadata={op_name="weights[1]"}
+  %x.1 = f32[4]{0} parameter(2), metadata={op_name="x"}
+  %c = f32[] constant(0)
+  %cat = f32[4]{0} fusion(%weights_0_.1, %weights_1_.1), kind=kLoop, calls=%f, metadata={op_name="jit(g)/kda/dot"}
+  %pad = f32[6]{0} fusion(%cat, %c), kind=kLoop, calls=%f, metadata={op_name="jit(g)/moe/pad"}
+  %zeros = f32[4]{0} broadcast(%c), dimensions={}
+  %mix = f32[4]{0} fusion(%x.1, %cat), kind=kLoop, calls=%f, metadata={op_name="jit(g)/kda/mix"}
+  ROOT %out = (f32[4]{0}, f32[4]{0}) tuple(%mix, %zeros)
+}
+"""
+
+
+def test_weight_only_work_by_hand():
+    """Instructions from the weights and constants alone, in order; none that reads x, directly or not."""
+    assert weight_only(WEIGHTS_HLO) == ["cat", "pad", "zeros"]
+    assert weight_only(WEIGHTS_HLO, argument="x") == ["zeros"]  # x alone reads nothing computed
+    times = DeviceTimes({"cat": 3.0, "pad": 1.5, "mix": 9.0}, {"cat": 1, "pad": 1, "mix": 1}, 0.0)
+    table = weight_only_table(weight_only(WEIGHTS_HLO), times, {"cat": "jit(g)/kda/dot", "pad": "jit(g)/moe/pad"})
+    lines = table.splitlines()
+    assert lines[0] == "work on the weights and constants alone: 4.5 us per call in 2 kernels"
+    assert [line.split()[2] for line in lines[1:]] == ["cat", "pad"] and lines[1].endswith("-> kda/dot")
+
+
+def test_weight_only_work_in_a_compiled_module():
+    """A real optimized module: the weights' scaling is found, and nothing found depends on x."""
+    def g(weights, x):
+        a, b = weights
+        return x @ (a.T * 2.0) + jnp.sin(b)[None, :8] * x
+
+    weights, x = [jnp.ones((8, 8)), jnp.ones((16,))], jnp.ones((4, 8))
+    hlo = jax.jit(g).lower(weights, x).compile().as_text()
+    paths = source_paths(hlo)
+    found = weight_only(hlo)
+    reads_x = {name for name, path in paths.items() if path == "x"}  # the parameter, then all downstream of it
+    assert reads_x
+    for name, operands in entry_operands(hlo):
+        if set(operands) & reads_x:
+            reads_x.add(name)
+    assert found and not set(found) & reads_x
+    assert any(paths.get(name, "").endswith("/mul") for name in found)
