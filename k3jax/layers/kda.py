@@ -65,7 +65,7 @@ CONV_IN_MAPS = True
 # Whether the Pallas path off TPU runs a prefill chunk's short convs and SiLU in one kernel (``pallas_kernels.
 # short_conv.conv_silu_chunk``), not XLA's fusion: at a 2048-token `mini` chunk on the H200 the kernel took 44-45 us a
 # KDA layer against 48-77 for the fusion (410 against 553 us a chunk), and an 8K prompt in one chunk 53.8 against 57.1
-# ms (best of five rounds, each spread over 57-69) (benchmarks/RESULTS.md, issue 4, thirtieth and thirty-first
+# ms (best of five rounds; the rounds spread over 54-69) (benchmarks/RESULTS.md, issue 4, thirtieth and thirty-first
 # sessions). "short convs by XLA" in benchmarks/prefill_variants.py turns it off. Read when traced.
 CONV_KERNEL_AT_PREFILL = True
 
