@@ -3,9 +3,11 @@ process: every variant's step is traced and compiled first (each from a copy of 
 then the variants are timed round-robin (``--rounds`` rounds of 20 steps, default 15, each under its own
 switches; the best and the median round printed), so lease-to-lease drift does not enter the comparison.
 Five rounds spread 25-35% on the H200 (twentieth session): a change of a few percent needs the medians of
-more rounds.
+more rounds. Then ``--device-rounds`` rounds (default 3) time each variant's 20 steps on the device by the
+profiler (``kernel_profile.device_us``): with the step in one command buffer, its time on the GPU without the
+host's dispatch (untried on the H200 when written: the events a step are printed to tell one graph from its kernels).
 
-    python3 benchmarks/decode_variants.py [preset [variant ...]] [--batch N] [--rounds N]
+    python3 benchmarks/decode_variants.py [preset [variant ...]] [--batch N] [--rounds N] [--device-rounds N]
                                           (default mini, every variant, batch 1; tiny runs on a CPU)
 
 Each switch turns one change off (module attributes read while a step is traced):
@@ -55,6 +57,7 @@ from k3jax.layers import basic
 from k3jax.layers.mla import MLA
 from k3jax.layers.moe import MoE
 from inference import warm_up
+from kernel_profile import device_us
 from switches import Switches
 
 _store = model_module._store_block
@@ -80,6 +83,8 @@ def main() -> None:
     ap = SWITCHES.arguments(__doc__)
     ap.add_argument("--batch", type=int, default=1, help="sequences per decode step")
     ap.add_argument("--rounds", type=int, default=15, help="timed rounds of 20 steps per variant")
+    ap.add_argument("--device-rounds", type=int, default=3,
+                    help="rounds of 20 steps per variant timed on the device by the profiler (0: none)")
     args = ap.parse_args()
     cfg = preset(args.preset)
     model = K3Model(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16)
@@ -103,27 +108,34 @@ def main() -> None:
         for name, (_, _, _, logits) in runs.items():
             err = float(jnp.linalg.norm(logits - first) / jnp.linalg.norm(first))
             print(f"{name}: first logits rel err vs default {err:.2e}")
+        def advance(run):  # one decode step of a variant, from its token and cache
+            run[1], _, run[2] = run[0].decode_step(run[1], run[2], pos, key)
+            return run[1]
+
         times = {name: [] for name in names}
-        default = runs["default"]
-
-        def default_step():
-            default[1], _, default[2] = default[0].decode_step(default[1], default[2], pos, key)
-            return default[1]
-
-        warm_up(default_step)
+        device = {name: [] for name in names}
+        warm_up(lambda: advance(runs["default"]))
         for _ in range(args.rounds):
             for name, run in runs.items():
-                gen, token, cache, _ = run
                 SWITCHES.use(name)  # a retrace takes this variant's form
                 start = time.perf_counter()
                 for _ in range(20):
-                    token, _, cache = gen.decode_step(token, cache, pos, key)
-                jax.block_until_ready(token)
+                    advance(run)
+                jax.block_until_ready(run[1])
                 times[name].append((time.perf_counter() - start) / 20)
-                run[1:3] = [token, cache]
+        for _ in range(args.device_rounds):
+            for name, run in runs.items():
+                SWITCHES.use(name)
+                device[name].append(device_us(lambda: advance(run), calls=20))
     print(f"\n{cfg.name}, B={batch} decode step, ms | best | median | rounds")
     for name, ts in times.items():
         print(f"{name} | {min(ts) * 1e3:.3f} | {np.median(ts) * 1e3:.3f} | {' '.join(f'{t * 1e3:.3f}' for t in ts)}")
+    if any(events for rounds in device.values() for _, events in rounds):
+        print(f"\n{cfg.name}, B={batch} decode step on the device (profiler), ms | best | median | events a step | rounds")
+        for name, rounds in device.items():
+            us = [u for u, _ in rounds]
+            print(f"{name} | {min(us) / 1e3:.3f} | {np.median(us) / 1e3:.3f} | {rounds[0][1]:.1f} | "
+                  f"{' '.join(f'{u / 1e3:.3f}' for u in us)}")
 
 
 if __name__ == "__main__":

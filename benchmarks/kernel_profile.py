@@ -113,6 +113,14 @@ def device_times(run_once: Callable[[], Any], calls: int = 5) -> DeviceTimes:
     return DeviceTimes(dict(us), dict(kernels), wall)
 
 
+def device_us(run_once: Callable[[], Any], calls: int = 20) -> tuple[float, float]:
+    """Device microseconds and device events per call of ``run_once`` (``device_times`` summed). Where XLA's
+    command buffers hold a whole call (a decode step) that is one event, so this is the call's time on the device
+    without the host's dispatch; (0, 0) where the backend records no device events (a CPU)."""
+    times = device_times(run_once, calls)
+    return sum(times.us.values()), sum(times.kernels.values())
+
+
 def kernel_table(times: DeviceTimes, paths: dict[str, str], top: int = 25) -> str:
     """A text table of device microseconds per call by HLO op and by source path."""
     by_op = collections.Counter(times.us)

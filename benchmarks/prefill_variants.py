@@ -1,9 +1,11 @@
 """Prefill of one long prompt on the Pallas path with and without each of the latest prefill changes, in
 one process: every variant's generator is traced and compiled first, then the variants are timed
 round-robin (five rounds, best round), each call made under its own switches (a retrace then takes the
-variant's form, not the last one set), so lease-to-lease drift does not enter the comparison.
+variant's form, not the last one set), so lease-to-lease drift does not enter the comparison. Then
+``--device-rounds`` rounds (default 3) sum each prefill's device events by the profiler
+(``kernel_profile.device_us``): its device time, without the host's share (untried on the H200 when written).
 
-    python3 benchmarks/prefill_variants.py [preset [variant ...]] [--tokens 8192] [--chunk 2048]
+    python3 benchmarks/prefill_variants.py [preset [variant ...]] [--tokens 8192] [--chunk 2048] [--device-rounds 3]
                                            (default mini, every variant; tiny runs on a CPU)
 
 Each switch turns one change off (module attributes read while a prefill chunk is traced):
@@ -38,6 +40,7 @@ import k3jax.layers.kda as kda
 import k3jax.layers.moe as moe
 from k3jax import Generator, K3Model, preset, use_implementation
 from k3jax.layers.mla import MLA
+from kernel_profile import device_us
 from switches import Switches
 
 
@@ -55,6 +58,8 @@ def main() -> None:
     ap = SWITCHES.arguments(__doc__)
     ap.add_argument("--tokens", type=int, default=8192, help="prompt length")
     ap.add_argument("--chunk", type=int, default=2048, help="tokens per prefill call")
+    ap.add_argument("--device-rounds", type=int, default=3,
+                    help="rounds of each variant's prefill timed on the device by the profiler (0: none)")
     args = ap.parse_args()
     names = SWITCHES.chosen(args.variants)
     cfg = preset(args.preset)
@@ -72,16 +77,25 @@ def main() -> None:
             err = float(jnp.linalg.norm(logits[name] - logits["default"]) / jnp.linalg.norm(logits["default"]))
             print(f"{name}: last-token logits rel err vs default {err:.2e}")
         times = {name: [] for name in names}
+        device = {name: [] for name in names}
         for _ in range(5):
             for name, gen in gens.items():
                 SWITCHES.use(name)
                 start = time.perf_counter()
                 jax.block_until_ready(gen.prefill(prompt, gen.init_cache(1))[0])
                 times[name].append(time.perf_counter() - start)
+        for _ in range(args.device_rounds):
+            for name, gen in gens.items():
+                SWITCHES.use(name)
+                device[name].append(device_us(lambda: gen.prefill(prompt, gen.init_cache(1))[0], calls=2)[0])
         SWITCHES.use("default")
     print(f"\n{cfg.name}, prefill of {args.tokens} tokens in chunks of {args.chunk}, ms | best | rounds")
     for name, ts in times.items():
         print(f"{name} | {min(ts) * 1e3:.1f} | {' '.join(f'{t * 1e3:.1f}' for t in ts)}")
+    if any(any(us) for us in device.values()):
+        print(f"\n{cfg.name}, the same prefill's device time (profiler events summed), ms | best | rounds")
+        for name, us in device.items():
+            print(f"{name} | {min(us) / 1e3:.2f} | {' '.join(f'{u / 1e3:.2f}' for u in us)}")
 
 
 if __name__ == "__main__":
