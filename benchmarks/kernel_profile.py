@@ -7,6 +7,7 @@ and the chain of kernels that the call's dependencies force (its critical path).
     print(chain_table(chain, paths))
     print(chain_listing(chain, paths))  # every link, in order
     print(weight_only_table(weight_only(hlo), times, paths))  # work every call repeats on the weights
+    us, events = device_us(run_once, calls=20)  # device time per call, for A/B timing without the host
 
 ``run_once()`` makes one call (a closure, so it can thread a donated cache from call to call);
 ``hlo`` is the optimized HLO text that XLA wrote when run with
