@@ -49,7 +49,7 @@ from jax.profiler import ProfileData
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = (.*)$")
 _NAME = re.compile(r"%([\w.\-]+)")
 _OP_NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*?metadata=\{[^}]*op_name=\"([^\"]+)\"", re.M)
-_PARAMETER = re.compile(r" parameter\(\d+\).*?op_name=\"([^\"]*)\"")
+_PARAMETER = re.compile(r" parameter\(\d+\)(?:.*?op_name=\"([^\"]*)\")?")
 _SKIP_LINES = ("XLA Modules", "XLA Ops", "Steps", "Launch Stats", "Source code", "TraceMe")
 
 
@@ -172,8 +172,9 @@ def weight_only(hlo: str, argument: str = "weights") -> list[str]:
     derived, out = {}, []
     for name, operands, rhs in _entry_instructions(hlo):
         parameter = _PARAMETER.search(rhs)
-        if parameter:
-            derived[name] = parameter.group(1) == argument or parameter.group(1).startswith(argument + "[")
+        if parameter:  # one without an op_name is not known to be the argument's
+            path = parameter.group(1) or ""
+            derived[name] = path == argument or path.startswith(argument + "[")
         elif operands:
             derived[name] = all(derived.get(o, False) for o in operands)
             if derived[name]:

@@ -84,19 +84,22 @@ def test_compiled_modules_parse_in_operand_order():
     assert len(seen) >= 4
 
 
-# Weights w0, w1 and an activation x: a copy of the two weights joined (cat), a pad of that with a constant (pad),
-# zeros from a constant (zeros), and two instructions that read x (mix directly, out through mix).
+# Weights w0, w1, an activation x and a parameter y without metadata: a copy of the two weights joined (cat), a pad of
+# that with a constant (pad), zeros from a constant (zeros), two instructions that read x (mix directly, out through
+# mix) and one that reads y (scaled: y is not known to be a weight).
 WEIGHTS_HLO = """HloModule prefill, entry_computation_layout={(f32[2]{0}, f32[2]{0}, f32[4]{0})->f32[4]{0}}
 
-ENTRY %main.3 (weights_0_.1: f32[2], weights_1_.1: f32[2], x.1: f32[4]) -> (f32[4], f32[4]) {
+ENTRY %main.3 (weights_0_.1: f32[2], weights_1_.1: f32[2], x.1: f32[4], y.1: f32[4]) -> (f32[4], f32[4]) {
   %weights_0_.1 = f32[2]{0} parameter(0), metadata={op_name="weights[0]"}
   %weights_1_.1 = f32[2]{0} parameter(1), metadata={op_name="weights[1]"}
   %x.1 = f32[4]{0} parameter(2), metadata={op_name="x"}
+  %y.1 = f32[4]{0} parameter(3)
   %c = f32[] constant(0)
   %cat = f32[4]{0} fusion(%weights_0_.1, %weights_1_.1), kind=kLoop, calls=%f, metadata={op_name="jit(g)/kda/dot"}
   %pad = f32[6]{0} fusion(%cat, %c), kind=kLoop, calls=%f, metadata={op_name="jit(g)/moe/pad"}
   %zeros = f32[4]{0} broadcast(%c), dimensions={}
   %mix = f32[4]{0} fusion(%x.1, %cat), kind=kLoop, calls=%f, metadata={op_name="jit(g)/kda/mix"}
+  %scaled = f32[4]{0} fusion(%y.1, %c), kind=kLoop, calls=%f
   ROOT %out = (f32[4]{0}, f32[4]{0}) tuple(%mix, %zeros)
 }
 """
