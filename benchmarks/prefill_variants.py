@@ -66,11 +66,15 @@ def main() -> None:
     model = K3Model(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16)
     prompt = [np.random.default_rng(0).integers(0, cfg.vocab_size, args.tokens).tolist()]
     gens, logits = {}, {}
+
+    def prefill(gen):  # the prompt from an empty cache: its last-token logits
+        return gen.prefill(prompt, gen.init_cache(1))[0]
+
     with use_implementation("pallas"):
         for name in names:
             SWITCHES.use(name)
             gen = Generator(model, max_len=args.tokens + 16, prefill_chunk=args.chunk)  # a fresh jit per variant
-            logits[name] = jax.block_until_ready(gen.prefill(prompt, gen.init_cache(1))[0])
+            logits[name] = jax.block_until_ready(prefill(gen))
             gens[name] = gen
             print(f"compiled: {name}", flush=True)
         for name in names:
@@ -82,12 +86,12 @@ def main() -> None:
             for name, gen in gens.items():
                 SWITCHES.use(name)
                 start = time.perf_counter()
-                jax.block_until_ready(gen.prefill(prompt, gen.init_cache(1))[0])
+                jax.block_until_ready(prefill(gen))
                 times[name].append(time.perf_counter() - start)
         for _ in range(args.device_rounds):
             for name, gen in gens.items():
                 SWITCHES.use(name)
-                device[name].append(device_us(lambda: gen.prefill(prompt, gen.init_cache(1))[0], calls=2)[0])
+                device[name].append(device_us(lambda: prefill(gen), calls=2)[0])
         SWITCHES.use("default")
     print(f"\n{cfg.name}, prefill of {args.tokens} tokens in chunks of {args.chunk}, ms | best | rounds")
     for name, ts in times.items():
