@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import importlib
 from typing import Iterator, Literal
 
 import jax
 
 Implementation = Literal["reference", "pallas"]
+KERNEL_MODULES = ("depth_mix", "kda", "latent_cache", "matvec", "mx_matmul", "prefill_attention", "route", "short_conv")
 _CURRENT: contextvars.ContextVar[str] = contextvars.ContextVar("k3jax_implementation", default="reference")
 
 
@@ -29,7 +31,21 @@ def get_implementation() -> Implementation:
 def _checked(name: str) -> str:
     if name not in ("reference", "pallas"):
         raise ValueError(f"implementation: {name!r}; expected 'reference' or 'pallas'")
+    if name == "pallas":
+        _import_kernels()
     return name
+
+
+def _import_kernels() -> None:
+    """Import every kernel module the layers take on the Pallas path before anything is traced there.
+
+    The layers import them when first traced, and on JAX 0.11 one of those imports (Pallas TPU's, which
+    ``pallas_kernels.kda`` makes) registers a config value that is part of every jit's cache key. Made
+    during a first trace, it left that trace's cache entry unmatched, so the function's next call traced
+    and compiled it again (a second compile of a 2048-token prefill chunk of `mini`: about 40 s).
+    """
+    for module in KERNEL_MODULES:
+        importlib.import_module(f"pallas_kernels.{module}")
 
 
 def set_implementation(name: Implementation) -> None:

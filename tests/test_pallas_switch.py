@@ -232,3 +232,41 @@ def test_mla_layer_full_sequence():
     x = 2.0 * jax.random.normal(jax.random.key(13), (2, 19, cfg.hidden_size))
     ref, pal = both(lambda params, x: nnx.merge(graph, params)(x), params, x)
     assert rel_err(pal, ref) < 1e-4
+
+
+TRACE_TWICE = """
+import jax, jax.numpy as jnp
+from flax import nnx
+from jax._src import config
+from k3jax import K3Model, preset, use_implementation
+
+model = K3Model(preset("tiny"), rngs=nnx.Rngs(0))
+graph, params = nnx.split(model)
+traces = []
+
+def prefill(params, tokens):
+    traces.append(1)
+    m = nnx.merge(graph, params)
+    return m.extend(tokens, m.init_cache(1, 32, scan_layers=False), jnp.zeros((1,), jnp.int32), None, False)[0]
+
+with use_implementation("pallas"):
+    before = len(config.trace_context())
+    f = jax.jit(prefill)
+    for _ in range(2):
+        f.trace(params, jnp.ones((1, 16), jnp.int32))
+    print(before, len(config.trace_context()), len(traces))
+"""
+
+
+def test_pallas_path_traces_once_in_a_fresh_process():
+    """In a fresh process, the kernels the layers import on the Pallas path change no jit cache key: the
+    trace context holds as many values after a prefill chunk's trace as before it, and tracing the same
+    jitted chunk again finds the first trace (JAX 0.11 registers a config value in its Pallas TPU module,
+    which ``pallas_kernels.kda`` imports: made inside the first trace, that import sent the next call to a
+    second compile)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", TRACE_TWICE], capture_output=True, text=True, check=True)
+    before, after, traces = map(int, out.stdout.split()[-3:])
+    assert (after, traces) == (before, 1)
