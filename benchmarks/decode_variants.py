@@ -3,9 +3,11 @@ process: every variant's step is traced and compiled first (each from a copy of 
 then the variants are timed round-robin (``--rounds`` rounds of 20 steps, default 15, each under its own
 switches; the best and the median round printed), so lease-to-lease drift does not enter the comparison.
 Five rounds spread 25-35% on the H200 (twentieth session): a change of a few percent needs the medians of
-more rounds. Then ``--device-rounds`` rounds (default 3) time each variant's 20 steps on the device by the
-profiler (``kernel_profile.device_us``): with the step in one command buffer, its time on the GPU without the
-host's dispatch (untried on the H200 when written: the events a step are printed to tell one graph from its kernels).
+more rounds; beside them the host's time to dispatch a step (where it is near the step's, the host sets the pace).
+Then ``--device-rounds`` rounds (default 3) of 20 steps under the profiler (``kernel_profile.device_us``): the time
+a step keeps the GPU busy and its span on the GPU. The profiler makes XLA launch the kernels one by one unless
+``XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true`` (on the H200 without it: 183 kernels a B=1 step,
+their durations summed 0.94 ms against the 0.86 ms step in its command buffer, thirty-second session).
 
     python3 benchmarks/decode_variants.py [preset [variant ...]] [--batch N] [--rounds N] [--device-rounds N]
                                           (default mini, every variant, batch 1; tiny runs on a CPU)
@@ -32,7 +34,9 @@ Each switch turns one change off (module attributes read while a step is traced)
   experts by the sorted dispatch or, up to 64 pairs, the fused kernels, not the tiled Mosaic GPU MoE);
 - mix by XLA: ``k3jax.layers.basic.MIX_KERNEL_ANY_ROWS`` False (at more than one row the AttnRes mixes and the
   norms after them by XLA's fusions, not ``pallas_kernels.depth_mix``; one row keeps the kernel).
-Variants: the default, each switch alone, all the changes off.
+Candidates, each on alone (``switches.command_buffer_candidates`` on ``DECODE_GPU_OPTIONS``): no command buffer,
+skip temp updates, skip profiled updates, exclusive lock.
+Variants: the default, each switch alone, each candidate alone, all the changes off.
 Also prints each variant's first logits against the default's (with random bf16 weights the model amplifies
 float32 summation order).
 """
@@ -58,7 +62,7 @@ from k3jax.layers.mla import MLA
 from k3jax.layers.moe import MoE
 from inference import warm_up
 from kernel_profile import device_us
-from switches import Switches
+from switches import Switches, command_buffer_candidates
 
 _store = model_module._store_block
 OFF = {  # a change's name -> (owner, attribute, value with the change off)
@@ -76,7 +80,7 @@ OFF = {  # a change's name -> (owner, attribute, value with the change off)
     "sorted MoE at decode": (moe_layer, "TILED_MOE_AT_DECODE", False),
     "mix by XLA": (basic, "MIX_KERNEL_ANY_ROWS", False),
 }
-SWITCHES = Switches(OFF)
+SWITCHES = Switches(OFF, command_buffer_candidates(inference, "DECODE_GPU_OPTIONS"))
 
 
 def main() -> None:
@@ -113,6 +117,7 @@ def main() -> None:
             return run[1]
 
         times = {name: [] for name in names}
+        dispatch = {name: [] for name in names}  # the host's time to hand the 20 steps over, per step
         device = {name: [] for name in names}
         warm_up(lambda: advance(runs["default"]))
         for _ in range(args.rounds):
@@ -121,21 +126,23 @@ def main() -> None:
                 start = time.perf_counter()
                 for _ in range(20):
                     advance(run)
+                dispatch[name].append((time.perf_counter() - start) / 20)
                 jax.block_until_ready(run[1])
                 times[name].append((time.perf_counter() - start) / 20)
         for _ in range(args.device_rounds):
             for name, run in runs.items():
                 SWITCHES.use(name)
                 device[name].append(device_us(lambda: advance(run), calls=20))
-    print(f"\n{cfg.name}, B={batch} decode step, ms | best | median | rounds")
+    print(f"\n{cfg.name}, B={batch} decode step, ms | best | median | host dispatch (median) | rounds")
     for name, ts in times.items():
-        print(f"{name} | {min(ts) * 1e3:.3f} | {np.median(ts) * 1e3:.3f} | {' '.join(f'{t * 1e3:.3f}' for t in ts)}")
-    if any(events for rounds in device.values() for _, events in rounds):
-        print(f"\n{cfg.name}, B={batch} decode step on the device (profiler), ms | best | median | events a step | rounds")
+        print(f"{name} | {min(ts) * 1e3:.3f} | {np.median(ts) * 1e3:.3f} | {np.median(dispatch[name]) * 1e3:.3f} | "
+              f"{' '.join(f'{t * 1e3:.3f}' for t in ts)}")
+    if any(use.kernels for rounds in device.values() for use in rounds):
+        print(f"\n{cfg.name}, B={batch} decode step on the device (profiler), ms a step, median of the rounds | "
+              "busy | span | kernels")
         for name, rounds in device.items():
-            us = [u for u, _ in rounds]
-            print(f"{name} | {min(us) / 1e3:.3f} | {np.median(us) / 1e3:.3f} | {rounds[0][1]:.1f} | "
-                  f"{' '.join(f'{u / 1e3:.3f}' for u in us)}")
+            print(f"{name} | {np.median([u.busy for u in rounds]) / 1e3:.3f} | "
+                  f"{np.median([u.span for u in rounds]) / 1e3:.3f} | {rounds[0].kernels:.1f}")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ and the chain of kernels that the call's dependencies force (its critical path).
     print(chain_table(chain, paths))
     print(chain_listing(chain, paths))  # every link, in order
     print(weight_only_table(weight_only(hlo), times, paths))  # work every call repeats on the weights
-    us, events = device_us(run_once, calls=20)  # device time per call, for A/B timing without the host
+    use = device_us(run_once, calls=20)  # device busy and span per call: is the GPU waiting?
 
 ``run_once()`` makes one call (a closure, so it can thread a donated cache from call to call);
 ``hlo`` is the optimized HLO text that XLA wrote when run with
@@ -18,8 +18,9 @@ compiles twice): ``dumped_hlo(folder, "decode")``; ``paths`` maps its instructio
 Each kernel's HLO op is mapped to its JAX source path (the ``op_name`` in the compiled HLO's metadata),
 so fusions read as "moe/..." (the model's named scopes) rather than "fusion.123"; ops the dump does
 not name show as "?". Works on any backend that records device events (GPU); elsewhere the table is
-empty. With XLA's command buffers (CUDA graphs, on by default) a whole step is one event; add
-``--xla_gpu_enable_command_buffer=`` to XLA_FLAGS to see its kernels (the step then runs slower).
+empty. Under the profiler XLA runs a call's kernels one by one rather than in its command buffer (CUDA graph),
+unless compiled with ``xla_enable_command_buffers_during_profiling``; the profiles here add
+``--xla_gpu_enable_command_buffer=`` to XLA_FLAGS so that the dumped HLO is the one that ran.
 
 The critical path: in the decode step's command buffer in XLA's concurrent order
 (``k3jax.inference.DECODE_GPU_OPTIONS``) a kernel starts once the kernels it reads from are done, so the
@@ -75,7 +76,7 @@ def short_path(op_name: str, depth: int = 4) -> str:
 
 
 def _device_events(xspace_path: str):
-    """(kernel or HLO op name, duration in us) for every event on a device's stream lines."""
+    """(kernel or HLO op name, start in ns, duration in ns) for every event on a device's stream lines."""
     for plane in ProfileData.from_file(xspace_path).planes:
         if not plane.name.startswith("/device:"):
             continue
@@ -84,15 +85,34 @@ def _device_events(xspace_path: str):
                 continue
             for ev in line.events:
                 stats = dict(ev.stats)
-                yield str(stats.get("hlo_op", ev.name)), ev.duration_ns / 1e3
+                yield str(stats.get("hlo_op", ev.name)), ev.start_ns, ev.duration_ns
+
+
+def busy_and_span(intervals: list[tuple[float, float]]) -> tuple[float, float]:
+    """Of (start, duration) intervals: the time at least one of them runs (their union) and the time from
+    the first start to the last end."""
+    busy, end, first = 0.0, None, None
+    for start, duration in sorted(intervals):
+        first = start if first is None else first
+        stop = start + duration
+        if end is None or start >= end:
+            busy += duration
+            end = stop
+        elif stop > end:
+            busy += stop - end
+            end = stop
+    return busy, (end - first if intervals else 0.0)
 
 
 class DeviceTimes(NamedTuple):
-    """Per call: device us by HLO op, kernels by HLO op, and the wall time in us."""
+    """Per call: device us by HLO op, kernels by HLO op, and the wall time in us; then the us per call in which
+    at least one kernel ran (``busy``) and from the first kernel's start to the last one's end (``span``)."""
 
     us: dict[str, float]
     kernels: dict[str, float]
     wall: float
+    busy: float = 0.0
+    span: float = 0.0
 
 
 def device_times(run_once: Callable[[], Any], calls: int = 5) -> DeviceTimes:
@@ -107,19 +127,32 @@ def device_times(run_once: Callable[[], Any], calls: int = 5) -> DeviceTimes:
         jax.block_until_ready(out)
         wall = (time.perf_counter() - t) / calls * 1e6
     files = glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)
-    us, kernels = collections.Counter(), collections.Counter()
-    for name, duration in _device_events(files[0]) if files else ():
-        us[name] += duration / calls
+    us, kernels, intervals = collections.Counter(), collections.Counter(), []
+    for name, start, duration in _device_events(files[0]) if files else ():
+        us[name] += duration / 1e3 / calls
         kernels[name] += 1 / calls
-    return DeviceTimes(dict(us), dict(kernels), wall)
+        intervals.append((start, duration))
+    busy, span = busy_and_span(intervals)
+    return DeviceTimes(dict(us), dict(kernels), wall, busy / 1e3 / calls, span / 1e3 / calls)
 
 
-def device_us(run_once: Callable[[], Any], calls: int = 20) -> tuple[float, float]:
-    """Device microseconds and device events per call of ``run_once`` (``device_times`` summed). Where XLA's
-    command buffers hold a whole call (a decode step) that is one event, so this is the call's time on the device
-    without the host's dispatch; (0, 0) where the backend records no device events (a CPU)."""
+class DeviceUse(NamedTuple):
+    """Device us per call: ``busy`` (at least one kernel running), ``span`` (first kernel start to last kernel end,
+    over all the calls, so the host's gaps between kernels count), and the kernels per call."""
+
+    busy: float
+    span: float
+    kernels: float
+
+
+def device_us(run_once: Callable[[], Any], calls: int = 20) -> DeviceUse:
+    """``run_once``'s device use per call under the profiler; zeros where the backend records no device events (a
+    CPU). While the profiler runs, XLA launches a jitted call's kernels one by one, not in its command buffer
+    (CUDA graph), unless the call was compiled with ``xla_enable_command_buffers_during_profiling`` (as
+    ``XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true`` does for every compile). Busy well under span:
+    the GPU waited, on the host or on launches."""
     times = device_times(run_once, calls)
-    return sum(times.us.values()), sum(times.kernels.values())
+    return DeviceUse(times.busy, times.span, sum(times.kernels.values()))
 
 
 def kernel_table(times: DeviceTimes, paths: dict[str, str], top: int = 25) -> str:
@@ -128,7 +161,8 @@ def kernel_table(times: DeviceTimes, paths: dict[str, str], top: int = 25) -> st
     by_path = collections.Counter()
     for name, us in by_op.items():
         by_path[short_path(paths.get(name, name), depth=2)] += us
-    lines = [f"device busy {sum(by_op.values()):,.0f} us per call over {sum(times.kernels.values()):.0f} kernels; "
+    lines = [f"device busy {sum(by_op.values()):,.0f} us per call over {sum(times.kernels.values()):.0f} kernels "
+             f"(some kernel running {times.busy:,.0f} us, first start to last end {times.span:,.0f}); "
              f"wall {times.wall:,.0f} us per call"]
     lines.append(f"{'us/call':>9} {'n/call':>6}  op -> source")
     for name, us in by_op.most_common(top):

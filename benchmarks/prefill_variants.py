@@ -1,9 +1,12 @@
 """Prefill of one long prompt on the Pallas path with and without each of the latest prefill changes, in
 one process: every variant's generator is traced and compiled first, then the variants are timed
-round-robin (five rounds, best round), each call made under its own switches (a retrace then takes the
-variant's form, not the last one set), so lease-to-lease drift does not enter the comparison. Then
-``--device-rounds`` rounds (default 3) sum each prefill's device events by the profiler
-(``kernel_profile.device_us``): its device time, without the host's share (untried on the H200 when written).
+round-robin (five rounds, best round; beside it the host's time until the prefill call returns), each call made
+under its own switches (a retrace then takes the variant's form, not the last one set), so lease-to-lease drift
+does not enter the comparison. Then ``--device-rounds`` rounds (default 3) under the profiler
+(``kernel_profile.device_us``): the time the prefill keeps the GPU busy and its span on the GPU. The profiler makes
+XLA launch the kernels one by one unless ``XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true``. On the
+H200 a 4096-token prompt in chunks of 2048 took 33.9 ms (best of six) while its 1328 kernels ran for 21.8 ms
+(thirty-second session): a third of the prompt's time the GPU waited.
 
     python3 benchmarks/prefill_variants.py [preset [variant ...]] [--tokens 8192] [--chunk 2048] [--device-rounds 3]
                                            (default mini, every variant; tiny runs on a CPU)
@@ -20,7 +23,9 @@ Each switch turns one change off (module attributes read while a prefill chunk i
   fusion, not ``pallas_kernels.short_conv.conv_silu_chunk``);
 - dot merger: ``k3jax.inference.PREFILL_GPU_OPTIONS`` empty (XLA's dot merger on: each layer's projections as one
   matmul over their weights, concatenated on every call).
-Variants: the default, each switch alone, all the changes off. Also prints each
+Candidates, each on alone (``switches.command_buffer_candidates`` on ``PREFILL_GPU_OPTIONS``): no command buffer,
+skip temp updates, skip profiled updates, exclusive lock.
+Variants: the default, each switch alone, each candidate alone, all the changes off. Also prints each
 variant's last-token logits against the default's. Each variant compiles its own 8K prefill (80-110 s each on the H200), so
 within a 10-minute call name one or two variants.
 """
@@ -41,7 +46,7 @@ import k3jax.layers.moe as moe
 from k3jax import Generator, K3Model, preset, use_implementation
 from k3jax.layers.mla import MLA
 from kernel_profile import device_us
-from switches import Switches
+from switches import Switches, command_buffer_candidates
 
 
 OFF = {  # a change's name -> (owner, attribute, value with the change off)
@@ -51,7 +56,7 @@ OFF = {  # a change's name -> (owner, attribute, value with the change off)
     "short convs by XLA": (kda, "CONV_KERNEL_AT_PREFILL", False),
     "dot merger": (inference, "PREFILL_GPU_OPTIONS", {}),
 }
-SWITCHES = Switches(OFF)
+SWITCHES = Switches(OFF, command_buffer_candidates(inference, "PREFILL_GPU_OPTIONS"))
 
 
 def main() -> None:
@@ -81,25 +86,32 @@ def main() -> None:
             err = float(jnp.linalg.norm(logits[name] - logits["default"]) / jnp.linalg.norm(logits["default"]))
             print(f"{name}: last-token logits rel err vs default {err:.2e}")
         times = {name: [] for name in names}
+        dispatch = {name: [] for name in names}  # the host's time until the prefill call returns, before its results
         device = {name: [] for name in names}
         for _ in range(5):
             for name, gen in gens.items():
                 SWITCHES.use(name)
                 start = time.perf_counter()
-                jax.block_until_ready(prefill(gen))
+                out = prefill(gen)
+                dispatch[name].append(time.perf_counter() - start)
+                jax.block_until_ready(out)
                 times[name].append(time.perf_counter() - start)
         for _ in range(args.device_rounds):
             for name, gen in gens.items():
                 SWITCHES.use(name)
-                device[name].append(device_us(lambda: prefill(gen), calls=2)[0])
+                device[name].append(device_us(lambda: prefill(gen), calls=2))
         SWITCHES.use("default")
-    print(f"\n{cfg.name}, prefill of {args.tokens} tokens in chunks of {args.chunk}, ms | best | rounds")
+    print(f"\n{cfg.name}, prefill of {args.tokens} tokens in chunks of {args.chunk}, ms | best | host dispatch "
+          "(median) | rounds")
     for name, ts in times.items():
-        print(f"{name} | {min(ts) * 1e3:.1f} | {' '.join(f'{t * 1e3:.1f}' for t in ts)}")
-    if any(any(us) for us in device.values()):
-        print(f"\n{cfg.name}, the same prefill's device time (profiler events summed), ms | best | rounds")
-        for name, us in device.items():
-            print(f"{name} | {min(us) / 1e3:.2f} | {' '.join(f'{u / 1e3:.2f}' for u in us)}")
+        print(f"{name} | {min(ts) * 1e3:.1f} | {np.median(dispatch[name]) * 1e3:.1f} | "
+              f"{' '.join(f'{t * 1e3:.1f}' for t in ts)}")
+    if any(use.kernels for rounds in device.values() for use in rounds):
+        print(f"\n{cfg.name}, the same prefill under the profiler, ms a prefill, median of the rounds | busy | span | "
+              "kernels")
+        for name, rounds in device.items():
+            print(f"{name} | {np.median([u.busy for u in rounds]) / 1e3:.2f} | "
+                  f"{np.median([u.span for u in rounds]) / 1e3:.2f} | {rounds[0].kernels:.0f}")
 
 
 if __name__ == "__main__":
