@@ -34,7 +34,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from k3jax.implementation import pallas_interpret
-from k3jax.inference import decode_compiler_options
+from k3jax.inference import DECODE_GPU_OPTIONS, on_gpu
 from launch_floor import ROUNDS, median_seconds, pallas_link
 from pallas_kernels._triton import triton_params
 from pallas_kernels.matvec import matvecs
@@ -89,7 +89,7 @@ def stages(weights, gap: int, matvec: bool, programs: int | None):
                 v = matvecs(v[None], [w], [jnp.float32])[0][0, :v.shape[0]]
         return v, reads
 
-    return jax.jit(functools.partial(run, weights=weights), compiler_options=decode_compiler_options())
+    return jax.jit(functools.partial(run, weights=weights), compiler_options=on_gpu(DECODE_GPU_OPTIONS))
 
 
 def xla_chain(v, weights, gap: int):

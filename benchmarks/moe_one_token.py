@@ -34,7 +34,7 @@ import numpy as np
 
 from k3jax import preset
 from k3jax.functional.moe import moe_dense, select_experts
-from k3jax.inference import decode_compiler_options
+from k3jax.inference import DECODE_GPU_OPTIONS, on_gpu
 from k3jax.layers.mlp import activation
 from launch_floor import ROUNDS, median_seconds
 from mx_matmul import random_mx
@@ -66,7 +66,7 @@ def chain(layers, moe):
             x = (y * jax.lax.rsqrt(jnp.mean(y * y) + 1e-6)).astype(jnp.bfloat16)
         return x
 
-    return jax.jit(lambda x: run(x, layers), compiler_options=decode_compiler_options())
+    return jax.jit(lambda x: run(x, layers), compiler_options=on_gpu(DECODE_GPU_OPTIONS))
 
 
 def main() -> None:

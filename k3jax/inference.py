@@ -59,16 +59,10 @@ PREFILL_GPU_OPTIONS = {"xla_disable_hlo_passes": "dot-merger"}
 DEFAULT_PREFILL_CHUNK = 2048
 
 
-def decode_compiler_options() -> dict | None:
-    """The ``compiler_options`` of a jitted decode step: ``DECODE_GPU_OPTIONS`` (as it is at the call) on a
-    GPU, none elsewhere."""
-    return DECODE_GPU_OPTIONS if jax.default_backend() == "gpu" else None
-
-
-def prefill_compiler_options() -> dict | None:
-    """The ``compiler_options`` of a jitted prefill chunk: ``PREFILL_GPU_OPTIONS`` (as it is at the call) on a
-    GPU, none elsewhere."""
-    return PREFILL_GPU_OPTIONS if jax.default_backend() == "gpu" else None
+def on_gpu(options: dict) -> dict | None:
+    """A jit's ``compiler_options``: ``options`` (``DECODE_GPU_OPTIONS`` or ``PREFILL_GPU_OPTIONS``, as they are at
+    the call) on a GPU, none elsewhere."""
+    return options if jax.default_backend() == "gpu" else None
 
 
 class Generator:
@@ -102,10 +96,10 @@ class Generator:
         self._weights, self._treedef = jax.tree_util.tree_flatten(params)
         self._model = model
         self._extend = jax.jit(self._extend_fn, donate_argnums=2, static_argnames=("window", "head"),
-                               compiler_options=prefill_compiler_options())
+                               compiler_options=on_gpu(PREFILL_GPU_OPTIONS))
         self._logits = jax.jit(self._logits_fn)
         self._decode = jax.jit(self._decode_fn, donate_argnums=2, static_argnames=("sampling", "window"),
-                               compiler_options=decode_compiler_options())
+                               compiler_options=on_gpu(DECODE_GPU_OPTIONS))
         self._sample = jax.jit(sample, static_argnames="sampling")
 
     def _merged(self, weights) -> K3Model:
