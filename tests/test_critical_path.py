@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))  # after the repo: benchmarks/convert.py is not the package
 from kernel_profile import (DeviceTimes, chain_listing, chain_table, critical_path, entry_operands,  # noqa: E402
                             source_paths, weight_only, weight_only_table)
 
