@@ -28,7 +28,8 @@ def get_implementation() -> Implementation:
     return _CURRENT.get()  # type: ignore[return-value]
 
 
-def _checked(name: str) -> str:
+def _ready(name: str) -> str:
+    """``name`` checked, and for "pallas" the kernel modules imported."""
     if name not in ("reference", "pallas"):
         raise ValueError(f"implementation: {name!r}; expected 'reference' or 'pallas'")
     if name == "pallas":
@@ -50,7 +51,7 @@ def _import_kernels() -> None:
 
 def set_implementation(name: Implementation) -> None:
     """Set the implementation for this context (prefer ``use_implementation`` in code)."""
-    _CURRENT.set(_checked(name))
+    _CURRENT.set(_ready(name))
 
 
 @contextlib.contextmanager
@@ -65,7 +66,7 @@ def scoped(switch: contextvars.ContextVar, value) -> Iterator[None]:
 
 def use_implementation(name: Implementation) -> contextlib.AbstractContextManager:
     """``with use_implementation("pallas"): ...`` traces the kernels' path inside the block."""
-    return scoped(_CURRENT, _checked(name))
+    return scoped(_CURRENT, _ready(name))
 
 
 def jax_at_least(major: int, minor: int) -> bool:
