@@ -5,7 +5,7 @@ switches; the best and the median round printed), so lease-to-lease drift does n
 Five rounds spread 25-35% on the H200 (twentieth session): a change of a few percent needs the medians of
 more rounds; beside them the host's time to dispatch a step (where it is near the step's, the host sets the pace).
 Then ``--device-rounds`` rounds (default 3) of 20 steps under the profiler (``kernel_profile.device_us``): the time
-a step keeps the GPU busy and its span on the GPU. The profiler makes XLA launch the kernels one by one unless
+a step keeps the GPU busy and its span on the GPU, and the host's busiest events. The profiler makes XLA launch the kernels one by one unless
 ``XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true`` (on the H200 without it: 183 kernels a B=1 step,
 their durations summed 0.94 ms against the 0.86 ms step in its command buffer, thirty-second session).
 
@@ -61,7 +61,7 @@ from k3jax.layers import basic
 from k3jax.layers.mla import MLA
 from k3jax.layers.moe import MoE
 from inference import warm_up
-from kernel_profile import device_us
+from kernel_profile import device_us, host_table
 from switches import Switches, command_buffer_candidates
 
 _store = model_module._store_block
@@ -143,6 +143,10 @@ def main() -> None:
         for name, rounds in device.items():
             print(f"{name} | {np.median([u.busy for u in rounds]) / 1e3:.3f} | "
                   f"{np.median([u.span for u in rounds]) / 1e3:.3f} | {rounds[0].kernels:.1f}")
+    for name, rounds in device.items():
+        if rounds and rounds[-1].host:
+            print(f"\n{name}: the host's busiest events under the profiler, us a step (the last round)")
+            print(host_table(rounds[-1].host))
 
 
 if __name__ == "__main__":

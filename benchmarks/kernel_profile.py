@@ -8,6 +8,7 @@ and the chain of kernels that the call's dependencies force (its critical path).
     print(chain_listing(chain, paths))  # every link, in order
     print(weight_only_table(weight_only(hlo), times, paths))  # work every call repeats on the weights
     use = device_us(run_once, calls=20)  # device busy and span per call: is the GPU waiting?
+    print(host_table(use.host))  # and what was the host doing
 
 ``run_once()`` makes one call (a closure, so it can thread a donated cache from call to call);
 ``hlo`` is the optimized HLO text that XLA wrote when run with
@@ -88,6 +89,19 @@ def _device_events(xspace_path: str):
                 yield str(stats.get("hlo_op", ev.name)), ev.start_ns, ev.duration_ns
 
 
+def _host_events(xspace_path: str):
+    """(name, duration in ns) for every event on the host's threads but Python's own frames (named "$file:line
+    function" when the profiler traces Python): the runtime's annotated work, such as dispatching a jitted call or
+    updating and launching its command buffer."""
+    for plane in ProfileData.from_file(xspace_path).planes:
+        if plane.name != "/host:CPU":
+            continue
+        for line in plane.lines:
+            for ev in line.events:
+                if not ev.name.startswith("$"):
+                    yield ev.name, ev.duration_ns
+
+
 def busy_and_span(intervals: list[tuple[float, float]]) -> tuple[float, float]:
     """Of (start, duration) intervals: the time at least one of them runs (their union) and the time from
     the first start to the last end."""
@@ -113,6 +127,7 @@ class DeviceTimes(NamedTuple):
     wall: float
     busy: float = 0.0
     span: float = 0.0
+    host: dict[str, float] | None = None  # host us per call by event name (nested events each count)
 
 
 def device_times(run_once: Callable[[], Any], calls: int = 5) -> DeviceTimes:
@@ -133,16 +148,21 @@ def device_times(run_once: Callable[[], Any], calls: int = 5) -> DeviceTimes:
         kernels[name] += 1 / calls
         intervals.append((start, duration))
     busy, span = busy_and_span(intervals)
-    return DeviceTimes(dict(us), dict(kernels), wall, busy / 1e3 / calls, span / 1e3 / calls)
+    host = collections.Counter()
+    for name, duration in _host_events(files[0]) if files else ():
+        host[name] += duration / 1e3 / calls
+    return DeviceTimes(dict(us), dict(kernels), wall, busy / 1e3 / calls, span / 1e3 / calls, dict(host))
 
 
 class DeviceUse(NamedTuple):
     """Device us per call: ``busy`` (at least one kernel running), ``span`` (first kernel start to last kernel end,
-    over all the calls, so the host's gaps between kernels count), and the kernels per call."""
+    over all the calls, so the host's gaps between kernels count), the kernels per call, and the host's us per call
+    by event name."""
 
     busy: float
     span: float
     kernels: float
+    host: dict[str, float]
 
 
 def device_us(run_once: Callable[[], Any], calls: int = 20) -> DeviceUse:
@@ -152,7 +172,12 @@ def device_us(run_once: Callable[[], Any], calls: int = 20) -> DeviceUse:
     ``XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true`` does for every compile). Busy well under span:
     the GPU waited, on the host or on launches."""
     times = device_times(run_once, calls)
-    return DeviceUse(times.busy, times.span, sum(times.kernels.values()))
+    return DeviceUse(times.busy, times.span, sum(times.kernels.values()), times.host or {})
+
+
+def host_table(host: dict[str, float], top: int = 10, width: int = 100) -> str:
+    """The host events that took the most us per call (an event's time includes the events inside it)."""
+    return "\n".join(f"{us:9.1f}  {name[:width]}" for name, us in collections.Counter(host).most_common(top))
 
 
 def kernel_table(times: DeviceTimes, paths: dict[str, str], top: int = 25) -> str:

@@ -3,7 +3,7 @@ one process: every variant's generator is traced and compiled first, then the va
 round-robin (five rounds, best round; beside it the host's time until the prefill call returns), each call made
 under its own switches (a retrace then takes the variant's form, not the last one set), so lease-to-lease drift
 does not enter the comparison. Then ``--device-rounds`` rounds (default 3) under the profiler
-(``kernel_profile.device_us``): the time the prefill keeps the GPU busy and its span on the GPU. The profiler makes
+(``kernel_profile.device_us``): the time the prefill keeps the GPU busy, its span on the GPU and the host's busiest events. The profiler makes
 XLA launch the kernels one by one unless ``XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true``. On the
 H200 a 4096-token prompt in chunks of 2048 took 33.9 ms (best of six) while its 1328 kernels ran for 21.8 ms
 (thirty-second session): a third of the prompt's time the GPU waited.
@@ -45,7 +45,7 @@ import k3jax.layers.kda as kda
 import k3jax.layers.moe as moe
 from k3jax import Generator, K3Model, preset, use_implementation
 from k3jax.layers.mla import MLA
-from kernel_profile import device_us
+from kernel_profile import device_us, host_table
 from switches import Switches, command_buffer_candidates
 
 
@@ -112,6 +112,10 @@ def main() -> None:
         for name, rounds in device.items():
             print(f"{name} | {np.median([u.busy for u in rounds]) / 1e3:.2f} | "
                   f"{np.median([u.span for u in rounds]) / 1e3:.2f} | {rounds[0].kernels:.0f}")
+    for name, rounds in device.items():
+        if rounds and rounds[-1].host:
+            print(f"\n{name}: the host's busiest events under the profiler, us a prefill (the last round)")
+            print(host_table(rounds[-1].host))
 
 
 if __name__ == "__main__":

@@ -1,14 +1,16 @@
 """Helpers of the A/B benchmarks (benchmarks/switches.py, benchmarks/kernel_profile.py): variant switches that
-share an attribute, and the device time a profile's kernels keep the GPU busy against their span."""
+share an attribute, the time a profile's kernels keep the GPU busy against their span, the host's events."""
 
 import sys
 import types
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))  # after the repo: benchmarks/convert.py is not the package
-from kernel_profile import busy_and_span  # noqa: E402
+from kernel_profile import busy_and_span, device_us, host_table  # noqa: E402
 from switches import Switches, command_buffer_candidates  # noqa: E402
 
 
@@ -42,3 +44,17 @@ def test_variants_that_share_an_attribute_each_set_their_own_value():
 ])
 def test_busy_and_span(intervals, expected):
     assert busy_and_span(intervals) == expected
+
+
+def test_host_events_of_a_jitted_call():
+    """On the CPU (no device events) the profile still has the host's: the jitted function's dispatch, named for
+    it, and the time it took."""
+
+    def probe_call(x):
+        return jnp.sin(x) @ x
+
+    f, x = jax.jit(probe_call), jnp.ones((64, 64))
+    use = device_us(lambda: f(x), calls=3)
+    assert (use.busy, use.span, use.kernels) == (0.0, 0.0, 0)
+    assert use.host["PjitFunction(probe_call)"] > 0
+    assert "PjitFunction(probe_call)" in host_table(use.host, top=len(use.host))
