@@ -8,6 +8,7 @@ that have kernels (chunked KDA, MX matmuls) to ``pallas_kernels``; on a CPU thos
 Pallas interpret mode, which is how CI checks them. The switch is read at trace time, so a function
 jitted under one setting keeps it; and since ``jax.jit`` caches traces by function, jitting the same
 function again under another setting reuses the old trace too: jit a fresh function per setting.
+Choosing "pallas" imports the kernel modules at once, before anything is traced on that path.
 """
 
 from __future__ import annotations
