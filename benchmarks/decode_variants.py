@@ -61,7 +61,7 @@ from k3jax.layers import basic
 from k3jax.layers.mla import MLA
 from k3jax.layers.moe import MoE
 from inference import warm_up
-from kernel_profile import device_us, host_table
+from kernel_profile import device_rounds_table, device_us
 from switches import Switches, command_buffer_candidates
 
 _store = model_module._store_block
@@ -137,16 +137,9 @@ def main() -> None:
     for name, ts in times.items():
         print(f"{name} | {min(ts) * 1e3:.3f} | {np.median(ts) * 1e3:.3f} | {np.median(dispatch[name]) * 1e3:.3f} | "
               f"{' '.join(f'{t * 1e3:.3f}' for t in ts)}")
-    if any(use.kernels for rounds in device.values() for use in rounds):
-        print(f"\n{cfg.name}, B={batch} decode step on the device (profiler), ms a step, median of the rounds | "
-              "busy | span | kernels")
-        for name, rounds in device.items():
-            print(f"{name} | {np.median([u.busy for u in rounds]) / 1e3:.3f} | "
-                  f"{np.median([u.span for u in rounds]) / 1e3:.3f} | {rounds[0].kernels:.1f}")
-    for name, rounds in device.items():
-        if rounds and rounds[-1].host:
-            print(f"\n{name}: the host's busiest events under the profiler, us a step (the last round)")
-            print(host_table(rounds[-1].host))
+    report = device_rounds_table(device, f"{cfg.name}, B={batch} decode step on the device (profiler)", "a step")
+    if report:
+        print(report)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ import time
 from typing import Any, Callable, NamedTuple
 
 import jax
+import numpy as np
 from jax.profiler import ProfileData
 
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = (.*)$")
@@ -178,6 +179,23 @@ def device_us(run_once: Callable[[], Any], calls: int = 20) -> DeviceUse:
 def host_table(host: dict[str, float], top: int = 10, width: int = 100) -> str:
     """The host events that took the most us per call (an event's time includes the events inside it)."""
     return "\n".join(f"{us:9.1f}  {name[:width]}" for name, us in collections.Counter(host).most_common(top))
+
+
+def device_rounds_table(rounds: dict[str, list[DeviceUse]], title: str, unit: str, digits: int = 3) -> str:
+    """The variant scripts' device rounds (variant -> its ``device_us`` rounds): busy, span (ms ``unit``, the median of
+    the rounds) and kernels per variant where the device recorded kernels, then each variant's busiest host events in
+    its last round; "" when there is neither."""
+    lines = []
+    if any(use.kernels for uses in rounds.values() for use in uses):
+        lines.append(f"\n{title}, ms {unit}, median of the rounds | busy | span | kernels")
+        for name, uses in rounds.items():
+            lines.append(f"{name} | {np.median([u.busy for u in uses]) / 1e3:.{digits}f} | "
+                         f"{np.median([u.span for u in uses]) / 1e3:.{digits}f} | {uses[0].kernels:.1f}")
+    for name, uses in rounds.items():
+        if uses and uses[-1].host:
+            lines += [f"\n{name}: the host's busiest events under the profiler, us {unit} (the last round)",
+                      host_table(uses[-1].host)]
+    return "\n".join(lines)
 
 
 def kernel_table(times: DeviceTimes, paths: dict[str, str], top: int = 25) -> str:

@@ -45,7 +45,7 @@ import k3jax.layers.kda as kda
 import k3jax.layers.moe as moe
 from k3jax import Generator, K3Model, preset, use_implementation
 from k3jax.layers.mla import MLA
-from kernel_profile import device_us, host_table
+from kernel_profile import device_rounds_table, device_us
 from switches import Switches, command_buffer_candidates
 
 
@@ -106,16 +106,9 @@ def main() -> None:
     for name, ts in times.items():
         print(f"{name} | {min(ts) * 1e3:.1f} | {np.median(dispatch[name]) * 1e3:.1f} | "
               f"{' '.join(f'{t * 1e3:.1f}' for t in ts)}")
-    if any(use.kernels for rounds in device.values() for use in rounds):
-        print(f"\n{cfg.name}, the same prefill under the profiler, ms a prefill, median of the rounds | busy | span | "
-              "kernels")
-        for name, rounds in device.items():
-            print(f"{name} | {np.median([u.busy for u in rounds]) / 1e3:.2f} | "
-                  f"{np.median([u.span for u in rounds]) / 1e3:.2f} | {rounds[0].kernels:.0f}")
-    for name, rounds in device.items():
-        if rounds and rounds[-1].host:
-            print(f"\n{name}: the host's busiest events under the profiler, us a prefill (the last round)")
-            print(host_table(rounds[-1].host))
+    report = device_rounds_table(device, f"{cfg.name}, the same prefill under the profiler", "a prefill", digits=2)
+    if report:
+        print(report)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))  # after the repo: benchmarks/convert.py is not the package
-from kernel_profile import busy_and_span, device_us, host_table  # noqa: E402
+from kernel_profile import DeviceUse, busy_and_span, device_rounds_table, device_us, host_table  # noqa: E402
 from switches import Switches, command_buffer_candidates  # noqa: E402
 
 
@@ -58,3 +58,17 @@ def test_host_events_of_a_jitted_call():
     assert (use.busy, use.span, use.kernels) == (0.0, 0.0, 0)
     assert use.host["PjitFunction(probe_call)"] > 0
     assert "PjitFunction(probe_call)" in host_table(use.host, top=len(use.host))
+
+
+def test_device_rounds_table():
+    """Busy and span as the median of a variant's rounds, kernels from its first, the host's events from its last;
+    no kernel table where no round recorded kernels (a CPU), nothing at all without host events either."""
+    rounds = {"a": [DeviceUse(1000.0, 3000.0, 12.0, {"x": 1.0}), DeviceUse(3000.0, 5000.0, 12.0, {"y": 9.0}),
+                    DeviceUse(2000.0, 4000.0, 12.0, {"z": 4.0})]}
+    table = device_rounds_table(rounds, "probe", "a step", digits=2)
+    assert "\na | 2.00 | 4.00 | 12.0\n" in table
+    assert table.endswith("(the last round)\n" + host_table({"z": 4.0}))
+    cpu = {"a": [DeviceUse(0.0, 0.0, 0, {"PjitFunction(f)": 5.0})]}
+    assert "busy" not in device_rounds_table(cpu, "probe", "a step") and "PjitFunction(f)" in device_rounds_table(
+        cpu, "probe", "a step")
+    assert device_rounds_table({"a": [DeviceUse(0.0, 0.0, 0, {})]}, "probe", "a step") == ""
