@@ -77,9 +77,9 @@ def short_path(op_name: str, depth: int = 4) -> str:
     return "/".join(parts[:depth])
 
 
-def _device_events(xspace_path: str):
+def _device_events(profile: ProfileData):
     """(kernel or HLO op name, start in ns, duration in ns) for every event on a device's stream lines."""
-    for plane in ProfileData.from_file(xspace_path).planes:
+    for plane in profile.planes:
         if not plane.name.startswith("/device:"):
             continue
         for line in plane.lines:
@@ -90,11 +90,11 @@ def _device_events(xspace_path: str):
                 yield str(stats.get("hlo_op", ev.name)), ev.start_ns, ev.duration_ns
 
 
-def _host_events(xspace_path: str):
+def _host_events(profile: ProfileData):
     """(name, duration in ns) for every event on the host's threads but Python's own frames (named "$file:line
     function" when the profiler traces Python): the runtime's annotated work, such as dispatching a jitted call or
     updating and launching its command buffer."""
-    for plane in ProfileData.from_file(xspace_path).planes:
+    for plane in profile.planes:
         if plane.name != "/host:CPU":
             continue
         for line in plane.lines:
@@ -144,13 +144,14 @@ def device_times(run_once: Callable[[], Any], calls: int = 5) -> DeviceTimes:
         wall = (time.perf_counter() - t) / calls * 1e6
     files = glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)
     us, kernels, intervals = collections.Counter(), collections.Counter(), []
-    for name, start, duration in _device_events(files[0]) if files else ():
+    profile = ProfileData.from_file(files[0]) if files else None  # read once: both event kinds come from it
+    for name, start, duration in _device_events(profile) if profile is not None else ():
         us[name] += duration / 1e3 / calls
         kernels[name] += 1 / calls
         intervals.append((start, duration))
     busy, span = busy_and_span(intervals)
     host = collections.Counter()
-    for name, duration in _host_events(files[0]) if files else ():
+    for name, duration in _host_events(profile) if profile is not None else ():
         host[name] += duration / 1e3 / calls
     return DeviceTimes(dict(us), dict(kernels), wall, busy / 1e3 / calls, span / 1e3 / calls, dict(host))
 
