@@ -164,11 +164,11 @@ def main() -> None:
                 chunk = jnp.asarray(np.asarray(prompt)[:, :C])
                 start, lengths = jnp.zeros((1,), jnp.int32), jnp.full((1,), T, jnp.int32)
                 print(f"\n## prefill chunk of {C} tokens (of {T})")
-                last = jnp.full((1,), C - 1, jnp.int32)
-                times = device_times(lambda: gen._extend(gen._weights, chunk, gen.init_cache(1), start, lengths, last,
-                                                             head=False)[0],
+                index, last = jnp.full((1,), C - 1, jnp.int32), jnp.zeros((1, cfg.hidden_size), jnp.bfloat16)
+                times = device_times(lambda: gen._chunk(gen._weights, chunk, gen.init_cache(1), start, lengths, index,
+                                                        last, jnp.ones((1,), bool), window=gen.window(C))[0],
                                      calls=2)
-                hlo = dumped_hlo(args.profile, "extend")
+                hlo = dumped_hlo(args.profile, "_chunk_fn")
                 paths = source_paths(hlo)
                 print(kernel_table(times, paths, top=args.profile_top))
                 if hlo:

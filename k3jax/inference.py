@@ -95,12 +95,14 @@ class Generator:
         self._graph, params = nnx.split(model)
         self._weights, self._treedef = jax.tree_util.tree_flatten(params)
         self._model = model
-        self._extend = jax.jit(self._extend_fn, donate_argnums=2, static_argnames=("window", "head"),
-                               compiler_options=on_gpu(PREFILL_GPU_OPTIONS))
+        self._chunk = jax.jit(self._chunk_fn, donate_argnums=2, static_argnames="window",
+                              compiler_options=on_gpu(PREFILL_GPU_OPTIONS))
+        self._init_cache = jax.jit(self._init_cache_fn, static_argnums=0)
         self._logits = jax.jit(self._logits_fn)
         self._decode = jax.jit(self._decode_fn, donate_argnums=2, static_argnames=("sampling", "window"),
                                compiler_options=on_gpu(DECODE_GPU_OPTIONS))
         self._sample = jax.jit(sample, static_argnames="sampling")
+        self._step0 = jnp.zeros((), jnp.int32)
 
     def _merged(self, weights) -> K3Model:
         return nnx.merge(self._graph, jax.tree_util.tree_unflatten(self._treedef, weights))
@@ -108,12 +110,24 @@ class Generator:
     def _extend_fn(self, weights, tokens, cache, start, lengths, logits_at=None, window=None, head=True):
         return self._merged(weights).extend(tokens, cache, start, lengths, self.scan_layers, logits_at, window, head)
 
+    def _chunk_fn(self, weights, tokens, cache, start, lengths, logits_at, last, ends_here, window):
+        """One prefill chunk into the cache; ``last`` [B, D] takes the final hidden state of the prompts that end in
+        it (``ends_here`` [B]), so the host dispatches no other work per chunk."""
+        hidden, cache = self._extend_fn(weights, tokens, cache, start, lengths, logits_at, window, head=False)
+        return jnp.where(ends_here[:, None], hidden[:, 0].astype(last.dtype), last), cache
+
+    def _init_cache_fn(self, batch: int) -> list:
+        return self._model.init_cache(batch, self.max_len, self.cache_dtype, self.scan_layers)
+
     def _logits_fn(self, weights, hidden):
         return self._merged(weights).logits(hidden)
 
-    def _decode_fn(self, weights, tokens, cache, positions, key, sampling, window):
+    def _decode_fn(self, weights, tokens, cache, positions, key, step, sampling, window):
+        """One decode step -> (next tokens, logits, cache, positions + 1, step + 1): ``generate`` feeds the last two
+        back, so no step needs an array from the host."""
         logits, cache = self._extend_fn(weights, tokens[:, None], cache, positions, None, window=window)
-        return sample(logits[:, 0], key, sampling), logits[:, 0], cache
+        next_tokens = sample(logits[:, 0], jax.random.fold_in(key, step), sampling)
+        return next_tokens, logits[:, 0], cache, positions + 1, step + 1
 
     def window(self, end: int) -> int:
         """MLA cache positions read by a call whose new tokens end before position ``end``: the
@@ -125,16 +139,22 @@ class Generator:
 
     def decode_step(
         self, tokens: Array, cache: list, positions: Array, key: Array, sampling: Sampling = Sampling(),
-        window: int | None = None,
+        window: int | None = None, step: Array | None = None,
     ) -> tuple[Array, Array, list]:
         """One token per sequence (tokens [B] at ``positions`` [B]) -> (next tokens [B], logits [B, V],
-        cache). The cache passed in is donated: use the one returned. ``window``: the MLA cache
-        positions to read, at least max(positions) + 1 (``self.window`` rounds that to a compiled
-        size); None reads the whole cache."""
-        return self._decode(self._weights, tokens, cache, positions, key, sampling=sampling, window=window)
+        cache). The cache passed in is donated: use the one returned. The next tokens are sampled with
+        ``jax.random.fold_in(key, step)`` (``step`` an int32 scalar on the device; None: 0). ``window``: the MLA cache
+        positions to read, at least max(positions) + 1 (``self.window`` rounds that to a compiled size); None reads the
+        whole cache. Arrays from the host (NumPy, Python numbers) are copied to the device on every call, which on a
+        GPU can hold the host until the previous step has run: pass device arrays."""
+        step = self._step0 if step is None else step
+        return self._decode(self._weights, tokens, cache, positions, key, step, sampling=sampling, window=window)[:3]
 
     def init_cache(self, batch: int) -> list:
-        return self._model.init_cache(batch, self.max_len, self.cache_dtype, self.scan_layers)
+        """An empty cache for ``batch`` sequences, made by one compiled call (made op by op, its zeros cost a GPU's
+        host about 8 ms before a prompt's first chunk could start: benchmarks/RESULTS.md, issue 4, thirty-third
+        session)."""
+        return self._init_cache(batch)
 
     def _check(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
         if not prompts:
@@ -164,16 +184,18 @@ class Generator:
         tokens = np.zeros((len(prompts), total), np.int32)
         for i, p in enumerate(prompts):
             tokens[i, : len(p)] = p
-        last = None  # each prompt's final hidden state [B, D], once its last chunk has run
-        lengths_dev = jnp.asarray(lengths)
-        for start in range(0, total, chunk):
-            starts = jnp.full((len(prompts),), start, jnp.int32)
-            index = np.clip(lengths - 1 - start, 0, chunk - 1)  # each prompt's last token, within the chunk
-            hidden, cache = self._extend(self._weights, jnp.asarray(tokens[:, start : start + chunk]), cache,
-                                         starts, lengths_dev, jnp.asarray(index, jnp.int32),
-                                         window=self.window(start + chunk), head=False)
-            here = (lengths - 1 >= start) & (lengths - 1 < start + chunk)
-            last = jnp.where(jnp.asarray(here)[:, None], hidden[:, 0], hidden[:, 0] if last is None else last)
+        starts = range(0, total, chunk)
+        ends_here = [(lengths - 1 >= start) & (lengths - 1 < start + chunk) for start in starts]
+        index = [np.clip(lengths - 1 - start, 0, chunk - 1).astype(np.int32) for start in starts]  # last tokens
+        # every chunk's inputs copied to the device at once, before the first chunk: a copy from the host between
+        # chunks can hold the host until the GPU has run the chunks before it
+        per_chunk = [(tokens[:, s : s + chunk], np.full(len(prompts), s, np.int32), i, e)
+                     for s, i, e in zip(starts, index, ends_here)]
+        last = np.zeros((len(prompts), self.cfg.hidden_size), self._model.embed_tokens.weight.dtype)
+        inputs, lengths, last = jax.device_put((per_chunk, lengths, last))
+        for start, (tokens_in, start_in, index_in, ends_in) in zip(starts, inputs):
+            last, cache = self._chunk(self._weights, tokens_in, cache, start_in, lengths, index_in, last, ends_in,
+                                      window=self.window(start + chunk))
         return self._logits(self._weights, last), cache
 
     def generate(
@@ -194,24 +216,41 @@ class Generator:
         active = np.array([eos_id is None or t != eos_id for t in token_host]) & (max_new_tokens > 1)
         if on_token:
             on_token(token_host, np.ones(B, bool))
-        positions = np.array([len(p) for p in prompts], np.int32)
-        t2, timed = t1, 0
-        for step in range(1, max_new_tokens):
-            if not active.any():
-                break
-            if step == 2:  # steady state from here: the first decode step compiled
-                t2 = time.perf_counter()
-            timed += int(active.sum()) if step >= 2 else 0
-            token, _, cache = self.decode_step(token, cache, jnp.asarray(positions), jax.random.fold_in(key, step),
-                                               sampling, self.window(int(positions.max()) + 1))
+        timed = 0
+
+        def take(step: int, token: Array) -> None:  # a step's tokens on the host: kept, streamed, stops applied
+            nonlocal timed
             token_host = np.asarray(token)
+            timed += int(active.sum()) if step >= 2 else 0
             if on_token:
                 on_token(token_host, active.copy())
             for b in np.flatnonzero(active):
                 out[b].append(int(token_host[b]))
                 if (eos_id is not None and token_host[b] == eos_id) or len(out[b]) == max_new_tokens:
                     active[b] = False
-            positions = positions + active
+
+        # Each step is dispatched before the previous step's tokens are read (their copy to the host started when
+        # that step was dispatched), and takes its positions and key step from the step before on the device, so
+        # the host's dispatch runs while the GPU computes. Every sequence's position advances each step (a stopped
+        # sequence's rows are computed and dropped); a stop is seen one step late, so after the last stop one more
+        # step may run.
+        positions, step_dev = jax.device_put((np.array([len(p) for p in prompts], np.int32), np.int32(1)))
+        longest = max(len(p) for p in prompts)
+        t2, pending = t1, None
+        for step in range(1, max_new_tokens):
+            if not active.any():
+                break
+            if step == 2:  # steady state from here: the first decode step compiled
+                t2 = time.perf_counter()
+            token, _, cache, positions, step_dev = self._decode(
+                self._weights, token, cache, positions, key, step_dev, sampling=sampling,
+                window=self.window(longest + step))
+            token.copy_to_host_async()  # read after the next step is dispatched, by then on the host
+            if pending:
+                take(*pending)
+            pending = step, token
+        if pending:
+            take(*pending)
         return Generation(out, t1 - t0, time.perf_counter() - t2 if timed else 0.0, timed)
 
 

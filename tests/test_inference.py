@@ -147,9 +147,19 @@ def test_sampling_is_reproducible_and_stops_per_sequence(small_model, generators
     assert a == gen.generate(prompts, 6, warm, seed=11).tokens
     assert a != gen.generate(prompts, 6, warm, seed=12).tokens
     eos = a[1][2]  # stop the second sequence at its third token
-    stopped = gen.generate(prompts, 6, warm, seed=11, eos_id=eos).tokens
+    streamed = [[] for _ in prompts]
+
+    def on_token(tokens, active):
+        for b in np.flatnonzero(active):
+            streamed[b].append(int(tokens[b]))
+
+    stopped = gen.generate(prompts, 6, warm, seed=11, eos_id=eos, on_token=on_token).tokens
     assert stopped[1] == a[1][: a[1].index(eos) + 1]
+    # the other sequences run on as without the stop (each step is dispatched before the last one's tokens are read)
+    assert [t for b, t in enumerate(stopped) if b != 1 and eos not in t] == [
+        t for b, t in enumerate(a) if b != 1 and eos not in t]
     assert all(len(t) <= 6 for t in stopped)
+    assert streamed == stopped
 
 
 def test_sample_filters():
