@@ -3,7 +3,10 @@ against the GPU's measured bf16 matmul rate. Ceilings are measured in the same r
 dispatched ahead, the best round (the copy scales a 2 GiB array in place). Each batch's rounds follow 6 s of its
 decode steps (``warm_up``), so that none meets the clocks of a GPU just woken.
 
-    python3 benchmarks/inference.py [--impl pallas] [--batches 1,8,64] [--rounds 10] [--matvec-rows N]
+    python3 benchmarks/inference.py [--impl pallas] [--batches 1,8,64] [--rounds 10] [--generate 48] [--matvec-rows N]
+
+At batch 1 it also times ``Generator.generate`` (tokens per second after the first step, best of two after a
+compiling call): the step as a user meets it, the host's work between steps included.
 
 Floor per decode step = (bytes of weights touched + cache bytes read and written) / copy bandwidth,
 where the weights touched are every non-expert weight (bf16), one embedding row, and the distinct
@@ -87,6 +90,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--prefill", type=int, default=8192, help="prompt tokens of the prefill timing (0: skip)")
     ap.add_argument("--prefill-chunk", type=int, default=2048, help="tokens per prefill call of the prefill timing")
+    ap.add_argument("--generate", type=int, default=48,
+                    help="new tokens of a batch-1 `generate` timed after the batch-1 step (0: skip; at most 63)")
     ap.add_argument("--preset", default="mini")
     ap.add_argument("--matvec-rows", type=int, default=None,
                     help="rows up to which the layers' projections take the one-kernel matvecs on the Pallas path "
@@ -148,6 +153,11 @@ def main() -> None:
             floor = decode_floor_bytes(cfg, counts, batch, args.prompt + 1) / bw
             row(f"decode B={batch}", f"{step * 1e3:.2f} ms", f"floor {floor * 1e3:.2f} ms", f"{step / floor:.1f}x floor",
                 f"{batch / step:,.0f} tok/s", f"median {median * 1e3:.2f} ms")
+            if batch == 1 and args.generate:  # what a user of generate sees: steps with the host's work between them
+                runs = [gen.generate(prompts, args.generate) for _ in range(3)]  # the first compiles its windowed step
+                token_s = min(r.decode_seconds / r.decode_tokens for r in runs[1:])
+                row("generate B=1", f"{token_s * 1e3:.2f} ms a token", f"{1 / token_s:,.0f} tok/s",
+                    f"{token_s / step:.2f}x the step")
         T = args.prefill
         if T:
             C = min(args.prefill_chunk, T)
