@@ -249,7 +249,7 @@ class Generator:
             if pending:
                 take(*pending)
             pending = step, token
-        if pending:
+        if pending and active.any():  # else the step after the last stop: nothing to keep
             take(*pending)
         return Generation(out, t1 - t0, time.perf_counter() - t2 if timed else 0.0, timed)
 
