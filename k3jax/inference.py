@@ -185,12 +185,12 @@ class Generator:
         for i, p in enumerate(prompts):
             tokens[i, : len(p)] = p
         starts = range(0, total, chunk)
-        ends_here = [(lengths - 1 >= start) & (lengths - 1 < start + chunk) for start in starts]
-        index = [np.clip(lengths - 1 - start, 0, chunk - 1).astype(np.int32) for start in starts]  # last tokens
-        # every chunk's inputs copied to the device at once, before the first chunk: a copy from the host between
-        # chunks can hold the host until the GPU has run the chunks before it
-        per_chunk = [(tokens[:, s : s + chunk], np.full(len(prompts), s, np.int32), i, e)
-                     for s, i, e in zip(starts, index, ends_here)]
+        # each chunk's tokens, start, each prompt's last token within it and whether the prompt ends in it, copied to
+        # the device at once, before the first chunk: a copy from the host between chunks can hold the host until the
+        # GPU has run the chunks before it
+        per_chunk = [(tokens[:, s : s + chunk], np.full(len(prompts), s, np.int32),
+                      np.clip(lengths - 1 - s, 0, chunk - 1).astype(np.int32),
+                      (lengths - 1 >= s) & (lengths - 1 < s + chunk)) for s in starts]
         last = np.zeros((len(prompts), self.cfg.hidden_size), self._model.embed_tokens.weight.dtype)
         inputs, lengths, last = jax.device_put((per_chunk, lengths, last))
         for start, (tokens_in, start_in, index_in, ends_in) in zip(starts, inputs):
@@ -234,8 +234,9 @@ class Generator:
         # the host's dispatch runs while the GPU computes. Every sequence's position advances each step (a stopped
         # sequence's rows are computed and dropped); a stop is seen one step late, so after the last stop one more
         # step may run.
-        positions, step_dev = jax.device_put((np.array([len(p) for p in prompts], np.int32), np.int32(1)))
-        longest = max(len(p) for p in prompts)
+        lengths = np.array([len(p) for p in prompts], np.int32)
+        positions, step_dev = jax.device_put((lengths, np.int32(1)))
+        longest = int(lengths.max())
         t2, pending = t1, None
         for step in range(1, max_new_tokens):
             if not active.any():
