@@ -3,10 +3,12 @@ against the GPU's measured bf16 matmul rate. Ceilings are measured in the same r
 dispatched ahead, the best round (the copy scales a 2 GiB array in place). Each batch's rounds follow 6 s of its
 decode steps (``warm_up``), so that none meets the clocks of a GPU just woken.
 
-    python3 benchmarks/inference.py [--impl pallas] [--batches 1,8,64] [--rounds 10] [--generate 48] [--matvec-rows N]
+    python3 benchmarks/inference.py [--impl pallas] [--batches 1,8,64] [--rounds 10] [--steps-per-call 8]
+                                    [--generate 48] [--matvec-rows N]
 
-At batch 1 it also times ``Generator.generate`` (tokens per second after the first step, best of two after a
-compiling call): the step as a user meets it, the host's work between steps included.
+At batch 1 it also times the steps ``--steps-per-call`` to a call (``Generator.decode_steps``: one dispatch from the
+host for them all) and ``Generator.generate`` (tokens per second after its first call, best of two after a compiling
+call): the step as a user meets it, the host's work between calls included.
 
 Floor per decode step = (bytes of weights touched + cache bytes read and written) / copy bandwidth,
 where the weights touched are every non-expert weight (bf16), one embedding row, and the distinct
@@ -92,6 +94,8 @@ def main() -> None:
     ap.add_argument("--prefill-chunk", type=int, default=2048, help="tokens per prefill call of the prefill timing")
     ap.add_argument("--generate", type=int, default=48,
                     help="new tokens of a batch-1 `generate` timed after the batch-1 step (0: skip; at most 63)")
+    ap.add_argument("--steps-per-call", type=int, default=8,
+                    help="at batch 1 also time decode steps this many per call (Generator.decode_steps; 1: skip)")
     ap.add_argument("--preset", default="mini")
     ap.add_argument("--matvec-rows", type=int, default=None,
                     help="rows up to which the layers' projections take the one-kernel matvecs on the Pallas path "
@@ -153,6 +157,18 @@ def main() -> None:
             floor = decode_floor_bytes(cfg, counts, batch, args.prompt + 1) / bw
             row(f"decode B={batch}", f"{step * 1e3:.2f} ms", f"floor {floor * 1e3:.2f} ms", f"{step / floor:.1f}x floor",
                 f"{batch / step:,.0f} tok/s", f"median {median * 1e3:.2f} ms")
+            if batch == 1 and args.steps_per_call > 1:  # the same steps, several per call: one dispatch for them all
+                k = args.steps_per_call
+
+                def several():
+                    tokens, state["cache"] = gen.decode_steps(state["token"], state["cache"], pos, key, k)
+                    state["token"] = tokens[-1]
+                    return tokens
+
+                several()
+                per_token = best_round(lambda _: several(), None, calls=max(1, 160 // k), rounds=args.rounds) / k
+                row(f"decode B=1, {k} a call", f"{per_token * 1e3:.2f} ms a token",
+                    f"{per_token / floor:.1f}x floor", f"{1 / per_token:,.0f} tok/s", f"{per_token / step:.2f}x the step")
             if batch == 1 and args.generate:  # what a user of generate sees: steps with the host's work between them
                 runs = [gen.generate(prompts, args.generate) for _ in range(3)]  # the first compiles its windowed step
                 token_s = min(r.decode_seconds / r.decode_tokens for r in runs[1:])

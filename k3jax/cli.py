@@ -71,7 +71,7 @@ def _generate(args) -> int:
         print(tokenizer.decode(out.tokens[0]), end="")
     print()
     print(f"[{len(out.tokens[0])} tokens; prefill {out.prefill_seconds:.2f} s (compile included); "
-          f"decode {out.decode_tokens_per_second:.1f} tokens/s after the first step]", file=sys.stderr)
+          f"decode {out.decode_tokens_per_second:.1f} tokens/s after the first call]", file=sys.stderr)
     return 0
 
 

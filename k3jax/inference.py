@@ -1,4 +1,4 @@
-"""Jitted generation: chunked prefill into the cache, then one compiled decode step per token.
+"""Jitted generation: chunked prefill into the cache, then compiled decode steps, several per call.
 
 The cache per sequence: for KDA layers the float32 state [H, K, V] and the short-conv inputs (the
 last 3 per channel); for MLA layers only c_kv (after kv_a_layernorm) and k_pe per position, 576
@@ -32,7 +32,7 @@ from k3jax.typing import Array
 @dataclass(frozen=True)
 class Generation:
     """New tokens per sequence (EOS included when it stopped on it), with timings: prefill (first
-    call compiles), and the decode steps after the first (which compiles the step)."""
+    call compiles), and the decode calls after the first (which compiles the steps)."""
 
     tokens: list[list[int]]
     prefill_seconds: float
@@ -57,6 +57,10 @@ PREFILL_GPU_OPTIONS = {"xla_disable_hlo_passes": "dot-merger"}
 # Prompt tokens per prefill call: on the H200 a 4096-token `mini` prompt took 35.3 ms in chunks of 2048 against
 # 67.6 in chunks of 256, with as many compiles (benchmarks/RESULTS.md, issue 4, thirtieth session).
 DEFAULT_PREFILL_CHUNK = 2048
+# Decode steps per compiled call in ``generate``: on the H200 `mini`'s B=1 steps took 0.844 ms a token in calls of 8
+# and of 32 (the GPU's own time), against 0.95 one step a call, where the host's 0.6-1.0 ms to dispatch a step set
+# the pace (benchmarks/RESULTS.md, issue 4, thirty-fourth session).
+DEFAULT_STEPS_PER_CALL = 8
 
 
 def on_gpu(options: dict) -> dict | None:
@@ -75,12 +79,15 @@ class Generator:
     on every call, so the default unrolls the layers: a longer compile, no weight copies per token;
     attend_block: the MLA layers read the filled part of their cache rounded up to attend_block
     times a power of two (``window``), so a short sequence in a long cache does not read all of it
-    (one compiled variant per window size, at most log2(max_len / attend_block) + 2).
+    (one compiled variant per window size, at most log2(max_len / attend_block) + 2);
+    steps_per_call: decode steps ``generate`` runs per compiled call (a ``lax.scan`` on the device), so the host
+    dispatches once per that many tokens; tokens reach the host, ``on_token`` and the stop checks in bursts of that
+    many, and up to twice that many steps may run past the last stop or max_new_tokens (their tokens dropped).
     """
 
     def __init__(
         self, model: K3Model, max_len: int = 2048, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, cache_dtype=None,
-        scan_layers: bool = False, attend_block: int = 256,
+        scan_layers: bool = False, attend_block: int = 256, steps_per_call: int = DEFAULT_STEPS_PER_CALL,
     ):
         if max_len < 2:
             raise ValueError(f"max_len: must be at least 2, got {max_len}")
@@ -88,9 +95,11 @@ class Generator:
             raise ValueError(f"prefill_chunk: must be positive, got {prefill_chunk}")
         if attend_block < 1:
             raise ValueError(f"attend_block: must be positive, got {attend_block}")
+        if steps_per_call < 1:
+            raise ValueError(f"steps_per_call: must be positive, got {steps_per_call}")
         self.cfg = model.cfg
         self.max_len, self.prefill_chunk, self.scan_layers = max_len, prefill_chunk, scan_layers
-        self.attend_block = attend_block
+        self.attend_block, self.steps_per_call = attend_block, steps_per_call
         self.cache_dtype = cache_dtype or model.embed_tokens.weight.dtype
         self._graph, params = nnx.split(model)
         self._weights, self._treedef = jax.tree_util.tree_flatten(params)
@@ -101,6 +110,9 @@ class Generator:
         self._logits = jax.jit(self._logits_fn)
         self._decode = jax.jit(self._decode_fn, donate_argnums=2, static_argnames=("sampling", "window"),
                                compiler_options=on_gpu(DECODE_GPU_OPTIONS))
+        self._decode_steps = jax.jit(self._decode_steps_fn, donate_argnums=2,
+                                     static_argnames=("sampling", "window", "steps"),
+                                     compiler_options=on_gpu(DECODE_GPU_OPTIONS))
         self._sample = jax.jit(sample, static_argnames="sampling")
         self._step0 = jnp.zeros((), jnp.int32)
 
@@ -129,6 +141,20 @@ class Generator:
         next_tokens = sample(logits[:, 0], jax.random.fold_in(key, step), sampling)
         return next_tokens, logits[:, 0], cache, positions + 1, step + 1
 
+    def _decode_steps_fn(self, weights, tokens, cache, positions, key, step, sampling, window, steps):
+        """``steps`` decode steps under ``lax.scan`` -> (tokens [steps, B], the last of them, cache, positions + steps,
+        step + steps). A position past the cache is held at its last slot: such steps come after every sequence has
+        its max_new_tokens (``generate`` drops their tokens), and a write past the cache would be out of bounds."""
+        def one(carry, _):
+            tokens, cache, positions, step = carry
+            positions = jnp.minimum(positions, self.max_len - 1)
+            tokens, _, cache, positions, step = self._decode_fn(weights, tokens, cache, positions, key, step,
+                                                                sampling, window)
+            return (tokens, cache, positions, step), tokens
+
+        (last, cache, positions, step), tokens = jax.lax.scan(one, (tokens, cache, positions, step), length=steps)
+        return tokens, last, cache, positions, step
+
     def window(self, end: int) -> int:
         """MLA cache positions read by a call whose new tokens end before position ``end``: the
         smallest attend_block * 2**i >= end, at most max_len."""
@@ -149,6 +175,18 @@ class Generator:
         GPU can hold the host until the previous step has run: pass device arrays."""
         step = self._step0 if step is None else step
         return self._decode(self._weights, tokens, cache, positions, key, step, sampling=sampling, window=window)[:3]
+
+    def decode_steps(
+        self, tokens: Array, cache: list, positions: Array, key: Array, steps: int, sampling: Sampling = Sampling(),
+        window: int | None = None, step: Array | None = None,
+    ) -> tuple[Array, list]:
+        """``steps`` decode steps in one compiled call, each feeding its sampled tokens to the next: as ``steps``
+        calls of ``decode_step`` (the same tokens), with one dispatch from the host -> (tokens [steps, B], cache).
+        ``window`` must cover max(positions) + steps; positions past max_len - 1 are held there."""
+        step = self._step0 if step is None else step
+        out = self._decode_steps(self._weights, tokens, cache, positions, key, step, sampling=sampling,
+                                 window=window, steps=steps)
+        return out[0], out[2]
 
     def init_cache(self, batch: int) -> list:
         """An empty cache for ``batch`` sequences, made by one compiled call (made op by op, its zeros cost a GPU's
@@ -218,41 +256,44 @@ class Generator:
             on_token(token_host, np.ones(B, bool))
         timed = 0
 
-        def take(step: int, token: Array) -> None:  # a step's tokens on the host: kept, streamed, stops applied
+        def take(first: int, tokens: Array) -> None:  # a call's tokens on the host: kept, streamed, stops applied
             nonlocal timed
-            token_host = np.asarray(token)
-            timed += int(active.sum()) if step >= 2 else 0
-            if on_token:
-                on_token(token_host, active.copy())
-            for b in np.flatnonzero(active):
-                out[b].append(int(token_host[b]))
-                if (eos_id is not None and token_host[b] == eos_id) or len(out[b]) == max_new_tokens:
-                    active[b] = False
+            for token_host in np.asarray(tokens):
+                if not active.any():
+                    return
+                timed += int(active.sum()) if first > 1 else 0
+                if on_token:
+                    on_token(token_host, active.copy())
+                for b in np.flatnonzero(active):
+                    out[b].append(int(token_host[b]))
+                    if (eos_id is not None and token_host[b] == eos_id) or len(out[b]) == max_new_tokens:
+                        active[b] = False
 
-        # Each step is dispatched before the previous step's tokens are read (their copy to the host started when
-        # that step was dispatched), and takes its positions and key step from the step before on the device, so
-        # the host's dispatch runs while the GPU computes. Every sequence's position advances each step (a stopped
-        # sequence's rows are computed and dropped); a stop is seen one step late, so after the last stop one more
-        # step may run.
+        # Each call of steps_per_call steps is dispatched before the previous call's tokens are read (their copy to
+        # the host started when that call was dispatched), and takes its tokens, positions and key step from the call
+        # before on the device, so the host's work runs while the GPU computes. Every sequence's position advances
+        # each step (a stopped sequence's rows are computed and dropped); a stop is seen one call late, so after the
+        # last stop one more call may run.
         lengths = np.array([len(p) for p in prompts], np.int32)
         positions, step_dev = jax.device_put((lengths, np.int32(1)))
-        longest = int(lengths.max())
+        longest, steps = int(lengths.max()), self.steps_per_call
         t2, pending = t1, None
-        for step in range(1, max_new_tokens):
+        for first in range(1, max_new_tokens, steps):  # the call's first step (step s feeds position length + s - 1)
             if not active.any():
                 break
-            if step == 2:  # steady state from here: the first decode step compiled
+            if first == 1 + steps:  # steady state from here: the first call, which compiled, done
+                jax.block_until_ready(pending[1])
                 t2 = time.perf_counter()
-            token, _, cache, positions, step_dev = self._decode(
+            tokens, token, cache, positions, step_dev = self._decode_steps(
                 self._weights, token, cache, positions, key, step_dev, sampling=sampling,
-                window=self.window(longest + step))
-            token.copy_to_host_async()  # read after the next step is dispatched, by then on the host
+                window=self.window(longest + first + steps - 1), steps=steps)
+            tokens.copy_to_host_async()  # read after the next call is dispatched, by then on the host
             if pending:
                 take(*pending)
-            pending = step, token
-        if pending and active.any():  # else the step after the last stop: nothing to keep
+            pending = first, tokens
+        if pending and active.any():  # else the call after the last stop: nothing to keep
             take(*pending)
         return Generation(out, t1 - t0, time.perf_counter() - t2 if timed else 0.0, timed)
 
 
-__all__ = ["DEFAULT_PREFILL_CHUNK", "Generator", "Generation"]
+__all__ = ["DEFAULT_PREFILL_CHUNK", "DEFAULT_STEPS_PER_CALL", "Generator", "Generation"]

@@ -34,14 +34,14 @@ TOLERANCE = {"tiny": 5e-3, "tiny_linear": 5e-5}
 @pytest.fixture(scope="module")
 def generators(small_model):
     return {
-        # attend_block 16: the MLA layers read 16, 32, then all 40 cache positions as sequences grow
-        "chunked": Generator(small_model.model, max_len=40, prefill_chunk=16, attend_block=16),
+        # attend_block 16: the MLA layers read 16, 32, then all 40 cache positions as sequences grow; generate runs
+        # 3 decode steps a call, so 4 new tokens take one call and 6 or 8 take several
+        "chunked": Generator(small_model.model, max_len=40, prefill_chunk=16, attend_block=16, steps_per_call=3),
         "one_shot": Generator(small_model.model, max_len=40, prefill_chunk=64, scan_layers=True),
     }
 
 
-def sequences(cfg, seed=0):
-    total = max(PROMPT_LENGTHS) + DECODE_STEPS
+def sequences(cfg, seed=0, total=max(PROMPT_LENGTHS) + DECODE_STEPS):
     return np.asarray(jax.random.randint(jax.random.key(seed), (len(PROMPT_LENGTHS), total), 0, cfg.vocab_size))
 
 
@@ -121,22 +121,42 @@ def test_bf16_mla_stays_near_float32():
         assert rel_err(out.astype(jnp.float32), exact) < 3e-2
 
 
-def test_greedy_generation_matches_full_forward_argmax(small_model, generators):
+# 6 new tokens after a prompt of 14: two calls of 3 steps, the first reading past the 16-position window at its last
+# step; 8 after a prompt of 32: the cache's 40 positions filled, the third call's last step past them (held at the
+# last slot, its token dropped)
+@pytest.mark.parametrize("prompt_lengths, new_tokens", [([5, 14, 12], 6), ([5, 19, 32], 8)])
+def test_greedy_generation_matches_full_forward_argmax(small_model, generators, prompt_lengths, new_tokens):
     gen = generators["chunked"]
-    prompts = [list(r[:n]) for r, n in zip(sequences(small_model.cfg, seed=2), PROMPT_LENGTHS)]
-    out = gen.generate(prompts, max_new_tokens=4)
+    prompts = [list(r[:n]) for r, n in zip(sequences(small_model.cfg, seed=2, total=40), prompt_lengths)]
+    out = gen.generate(prompts, max_new_tokens=new_tokens)
     # the uncached model on right-padded rows (causal: padding after a position cannot change it)
-    seqs = np.zeros((len(prompts), max(PROMPT_LENGTHS) + 4), np.int32)
-    lengths = np.array(PROMPT_LENGTHS)
+    seqs = np.zeros((len(prompts), max(prompt_lengths) + new_tokens), np.int32)
+    lengths = np.array(prompt_lengths)
     for b, p in enumerate(prompts):
         seqs[b, : len(p)] = p
     rows = np.arange(len(prompts))
-    for _ in range(4):
+    for _ in range(new_tokens):
         logits = small_model.forward(small_model.params, jnp.asarray(seqs))
         seqs[rows, lengths] = np.asarray(jnp.argmax(logits[rows, lengths - 1], axis=-1))
         lengths = lengths + 1
     for b, (prompt, new) in enumerate(zip(prompts, out.tokens)):
-        assert new == list(seqs[b, len(prompt) : len(prompt) + 4])
+        assert new == list(seqs[b, len(prompt) : len(prompt) + new_tokens])
+
+
+def test_decode_steps_in_one_call_equal_steps_one_by_one(small_model, generators):
+    """Sampled, so each step's key (folded from the step index carried on the device) must match too."""
+    gen = generators["chunked"]
+    prompts = [list(r[:n]) for r, n in zip(sequences(small_model.cfg, seed=4), PROMPT_LENGTHS)]
+    warm, key = Sampling(temperature=1.3, top_k=50, top_p=0.9), jax.random.key(3)
+    logits, prefilled = gen.prefill(prompts, gen.init_cache(len(prompts)))
+    first, positions = jnp.argmax(logits, -1).astype(jnp.int32), jnp.asarray(PROMPT_LENGTHS)
+    window = gen.window(max(PROMPT_LENGTHS) + 3)
+    tokens, cache, one_by_one = first, jax.tree.map(jnp.copy, prefilled), []
+    for s in range(3):
+        tokens, _, cache = gen.decode_step(tokens, cache, positions + s, key, warm, window, jnp.int32(s))
+        one_by_one.append(np.asarray(tokens))
+    in_one_call, _ = gen.decode_steps(first, prefilled, positions, key, 3, warm, window)
+    np.testing.assert_array_equal(np.asarray(in_one_call), np.stack(one_by_one))
 
 
 def test_sampling_is_reproducible_and_stops_per_sequence(small_model, generators):
@@ -204,7 +224,7 @@ def test_attention_window_sizes(small_model, generators):
     gen = generators["chunked"]  # attend_block 16, max_len 40
     assert [gen.window(end) for end in (1, 16, 17, 32, 33, 40)] == [16, 16, 32, 32, 40, 40]
     for kwargs, match in [({"attend_block": 0}, "attend_block"), ({"max_len": 1}, "max_len"),
-                          ({"prefill_chunk": 0}, "prefill_chunk")]:
+                          ({"prefill_chunk": 0}, "prefill_chunk"), ({"steps_per_call": 0}, "steps_per_call")]:
         with pytest.raises(ValueError, match=match):
             Generator(small_model.model, **kwargs)
 
