@@ -1,6 +1,6 @@
 """The ``k3jax`` command.
 
-    k3jax generate [--model PATH | --preset tiny] [--prompt TEXT] [sampling flags] [--stream]
+    k3jax generate [--model PATH | --preset tiny] [--prompt TEXT] [sampling flags] [--stream] [--steps-per-call N]
     k3jax memory --config kimi-k3 --context 1048576 [--batch N]
     k3jax info [--config kimi-k3]
     k3jax convert ...            (see ``k3jax convert --help``)
@@ -37,7 +37,7 @@ def _model(args):
 
 
 def _generate(args) -> int:
-    from k3jax.inference import DEFAULT_PREFILL_CHUNK, Generator
+    from k3jax.inference import DEFAULT_PREFILL_CHUNK, DEFAULT_STEPS_PER_CALL, Generator
     from k3jax.sampling import Sampling
     from k3jax.tokenizer import load_tokenizer
 
@@ -51,7 +51,11 @@ def _generate(args) -> int:
     prompt = tokenizer.encode(args.prompt)
     eos = model.cfg.extra.get("eos_token_id", tokenizer.eos_id)
     chunk = DEFAULT_PREFILL_CHUNK if args.prefill_chunk is None else args.prefill_chunk
-    generator = Generator(model, max_len=len(prompt) + args.max_tokens, prefill_chunk=chunk)
+    steps = DEFAULT_STEPS_PER_CALL if args.steps_per_call is None else args.steps_per_call
+    try:
+        generator = Generator(model, max_len=len(prompt) + args.max_tokens, prefill_chunk=chunk, steps_per_call=steps)
+    except ValueError as err:
+        raise SystemExit(f"error: {err}")
     print(f"[{model.cfg.name}: {model.cfg.num_layers} layers, loaded in {time.perf_counter() - start:.1f} s]",
           file=sys.stderr)
     print(args.prompt, end="", flush=True)
@@ -109,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--prefill-chunk", type=int, default=None,
                      help="prompt tokens per prefill call (default: k3jax.inference.DEFAULT_PREFILL_CHUNK, 2048)")
+    gen.add_argument("--steps-per-call", type=int, default=None,
+                     help="decode steps per compiled call; --stream prints tokens in bursts of this many (default: "
+                     "k3jax.inference.DEFAULT_STEPS_PER_CALL, 8; 1 prints each token as it is made, at the host's "
+                     "cost of a dispatch per token)")
     gen.add_argument("--stream", action="store_true", help="print tokens as they come")
     gen.set_defaults(func=_generate)
 

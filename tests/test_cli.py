@@ -28,6 +28,8 @@ def test_info_prints_parameter_counts(capsys):
         (["generate", "--model", "{tmp}"], "config.json: missing"),
         (["generate", "--temperature", "-1"], "temperature"),
         (["generate", "--top-p", "2"], "top_p"),
+        (["generate", "--steps-per-call", "0"], "steps_per_call: must be positive"),
+        (["generate", "--prefill-chunk", "0"], "prefill_chunk: must be positive"),
     ],
 )
 def test_generate_refuses_bad_input(tmp_path, argv, match):
