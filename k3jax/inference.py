@@ -241,7 +241,8 @@ class Generator:
         seed: int = 0, eos_id: int | None = None, on_token: Callable[[np.ndarray, np.ndarray], None] | None = None,
     ) -> Generation:
         """Generate up to max_new_tokens per prompt; a sequence stops at ``eos_id`` (kept in its output).
-        ``on_token(tokens [B], active [B])`` sees each step's tokens as they come (streaming)."""
+        ``on_token(tokens [B], active [B])`` sees each step's tokens as they come (streaming), in bursts of
+        ``steps_per_call``."""
         self._check(prompts, max_new_tokens)
         B = len(prompts)
         key = jax.random.key(seed)
