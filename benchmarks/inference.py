@@ -170,7 +170,7 @@ def main() -> None:
                 row(f"decode B=1, {k} a call", f"{per_token * 1e3:.2f} ms a token",
                     f"{per_token / floor:.1f}x floor", f"{1 / per_token:,.0f} tok/s", f"{per_token / step:.2f}x the step")
             if batch == 1 and args.generate:  # what a user of generate sees: steps with the host's work between them
-                runs = [gen.generate(prompts, args.generate) for _ in range(3)]  # the first compiles its windowed step
+                runs = [gen.generate(prompts, args.generate) for _ in range(3)]  # the first compiles its windowed call of steps
                 token_s = min(r.decode_seconds / r.decode_tokens for r in runs[1:])
                 row("generate B=1", f"{token_s * 1e3:.2f} ms a token", f"{1 / token_s:,.0f} tok/s",
                     f"{token_s / step:.2f}x the step")
