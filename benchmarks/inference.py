@@ -161,7 +161,7 @@ def main() -> None:
                 k = args.steps_per_call
 
                 def several():
-                    tokens, state["cache"] = gen.decode_steps(state["token"], state["cache"], pos, key, k)
+                    tokens, _, state["cache"] = gen.decode_steps(state["token"], state["cache"], pos, key, k)
                     state["token"] = tokens[-1]
                     return tokens
 

@@ -25,16 +25,18 @@ import numpy as np
 from flax import nnx
 
 from k3jax.model import K3Model
-from k3jax.sampling import Sampling, sample
+from k3jax.sampling import Sampling, sample, token_logprobs
 from k3jax.typing import Array
 
 
 @dataclass(frozen=True)
 class Generation:
-    """New tokens per sequence (EOS included when it stopped on it), with timings: prefill (first
+    """New tokens per sequence (EOS included when it stopped on it) and each one's log-probability under the
+    model's own distribution (``token_logprobs``: before temperature and filters), with timings: prefill (first
     call compiles), and the decode calls after the first (which compiles the steps)."""
 
     tokens: list[list[int]]
+    logprobs: list[list[float]]
     prefill_seconds: float
     decode_seconds: float
     decode_tokens: int
@@ -113,7 +115,7 @@ class Generator:
         self._decode_steps = jax.jit(self._decode_steps_fn, donate_argnums=2,
                                      static_argnames=("sampling", "window", "steps"),
                                      compiler_options=on_gpu(DECODE_GPU_OPTIONS))
-        self._sample = jax.jit(sample, static_argnames="sampling")
+        self._first = jax.jit(self._first_fn, static_argnames="sampling")
         self._step0 = jnp.zeros((), jnp.int32)
 
     def _merged(self, weights) -> K3Model:
@@ -141,19 +143,26 @@ class Generator:
         next_tokens = sample(logits[:, 0], jax.random.fold_in(key, step), sampling)
         return next_tokens, logits[:, 0], cache, positions + 1, step + 1
 
+    @staticmethod
+    def _first_fn(logits, key, sampling):
+        """The first new tokens, from the prompts' last logits with key step 0 -> (tokens [B], their logprobs [B])."""
+        tokens = sample(logits, jax.random.fold_in(key, 0), sampling)
+        return tokens, token_logprobs(logits, tokens)
+
     def _decode_steps_fn(self, weights, tokens, cache, positions, key, step, sampling, window, steps):
-        """``steps`` decode steps under ``lax.scan`` -> (tokens [steps, B], the last of them, cache, positions + steps,
-        step + steps). A position past the cache is held at its last slot: such steps come after every sequence has
+        """``steps`` decode steps under ``lax.scan`` -> (tokens [steps, B], their logprobs [steps, B], the last tokens,
+        cache, positions + steps, step + steps). A position past the cache is held at its last slot: such steps come after every sequence has
         its max_new_tokens (``generate`` drops their tokens), and a write past the cache would be out of bounds."""
         def one(carry, _):
             tokens, cache, positions, step = carry
             positions = jnp.minimum(positions, self.max_len - 1)
-            tokens, _, cache, positions, step = self._decode_fn(weights, tokens, cache, positions, key, step,
-                                                                sampling, window)
-            return (tokens, cache, positions, step), tokens
+            tokens, logits, cache, positions, step = self._decode_fn(weights, tokens, cache, positions, key, step,
+                                                                     sampling, window)
+            return (tokens, cache, positions, step), (tokens, token_logprobs(logits, tokens))
 
-        (last, cache, positions, step), tokens = jax.lax.scan(one, (tokens, cache, positions, step), length=steps)
-        return tokens, last, cache, positions, step
+        (last, cache, positions, step), (tokens, logprobs) = jax.lax.scan(one, (tokens, cache, positions, step),
+                                                                          length=steps)
+        return tokens, logprobs, last, cache, positions, step
 
     def window(self, end: int) -> int:
         """MLA cache positions read by a call whose new tokens end before position ``end``: the
@@ -179,14 +188,15 @@ class Generator:
     def decode_steps(
         self, tokens: Array, cache: list, positions: Array, key: Array, steps: int, sampling: Sampling = Sampling(),
         window: int | None = None, step: Array | None = None,
-    ) -> tuple[Array, list]:
+    ) -> tuple[Array, Array, list]:
         """``steps`` decode steps in one compiled call, each feeding its sampled tokens to the next: as ``steps``
-        calls of ``decode_step`` (the same tokens), with one dispatch from the host -> (tokens [steps, B], cache).
+        calls of ``decode_step`` (the same tokens), with one dispatch from the host -> (tokens [steps, B], their
+        logprobs [steps, B] (``token_logprobs``), cache).
         ``window`` must cover max(positions) + steps; positions past max_len - 1 are held there."""
         step = self._step0 if step is None else step
         out = self._decode_steps(self._weights, tokens, cache, positions, key, step, sampling=sampling,
                                  window=window, steps=steps)
-        return out[0], out[2]
+        return out[0], out[1], out[3]
 
     def init_cache(self, batch: int) -> list:
         """An empty cache for ``batch`` sequences, made by one compiled call (made op by op, its zeros cost a GPU's
@@ -242,24 +252,25 @@ class Generator:
     ) -> Generation:
         """Generate up to max_new_tokens per prompt; a sequence stops at ``eos_id`` (kept in its output).
         ``on_token(tokens [B], active [B])`` sees each step's tokens as they come (streaming), in bursts of
-        ``steps_per_call``."""
+        ``steps_per_call``. Each new token's log-probability comes with it (``Generation.logprobs``)."""
         self._check(prompts, max_new_tokens)
         B = len(prompts)
         key = jax.random.key(seed)
         t0 = time.perf_counter()
         logits, cache = self.prefill(prompts, self.init_cache(B))
-        token = self._sample(logits, jax.random.fold_in(key, 0), sampling=sampling)
+        token, logprob = self._first(logits, key, sampling=sampling)
         token_host = np.asarray(token)
         t1 = time.perf_counter()
         out = [[int(t)] for t in token_host]
+        logprobs = [[float(p)] for p in np.asarray(logprob)]
         active = np.array([eos_id is None or t != eos_id for t in token_host]) & (max_new_tokens > 1)
         if on_token:
             on_token(token_host, np.ones(B, bool))
         timed = 0
 
-        def take(first: int, tokens: Array) -> None:  # a call's tokens on the host: kept, streamed, stops applied
+        def take(first: int, tokens: Array, call_logprobs: Array) -> None:  # a call's tokens: kept, streamed, stopped
             nonlocal timed
-            for token_host in np.asarray(tokens):
+            for token_host, logprob_host in zip(np.asarray(tokens), np.asarray(call_logprobs)):
                 if not active.any():
                     return
                 timed += int(active.sum()) if first > 1 else 0
@@ -267,6 +278,7 @@ class Generator:
                     on_token(token_host, active.copy())
                 for b in np.flatnonzero(active):
                     out[b].append(int(token_host[b]))
+                    logprobs[b].append(float(logprob_host[b]))
                     if (eos_id is not None and token_host[b] == eos_id) or len(out[b]) == max_new_tokens:
                         active[b] = False
 
@@ -285,16 +297,17 @@ class Generator:
             if first == 1 + steps:  # steady state from here: the first call, which compiled, done
                 jax.block_until_ready(pending[1])
                 t2 = time.perf_counter()
-            tokens, token, cache, positions, step_dev = self._decode_steps(
+            tokens, call_logprobs, token, cache, positions, step_dev = self._decode_steps(
                 self._weights, token, cache, positions, key, step_dev, sampling=sampling,
                 window=self.window(longest + first + steps - 1), steps=steps)
-            tokens.copy_to_host_async()  # read after the next call is dispatched, by then on the host
+            for call_out in (tokens, call_logprobs):  # read after the next call is dispatched, by then on the host
+                call_out.copy_to_host_async()
             if pending:
                 take(*pending)
-            pending = first, tokens
+            pending = first, tokens, call_logprobs
         if pending and active.any():  # else the call after the last stop: nothing to keep
             take(*pending)
-        return Generation(out, t1 - t0, time.perf_counter() - t2 if timed else 0.0, timed)
+        return Generation(out, logprobs, t1 - t0, time.perf_counter() - t2 if timed else 0.0, timed)
 
 
 __all__ = ["DEFAULT_PREFILL_CHUNK", "DEFAULT_STEPS_PER_CALL", "Generator", "Generation"]

@@ -64,4 +64,12 @@ def sample(logits: Array, key: Array, sampling: Sampling) -> Array:
     return jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
 
 
-__all__ = ["Sampling", "sample"]
+def token_logprobs(logits: Array, tokens: Array) -> Array:
+    """logits [B, V], tokens [B] -> float32 [B]: each token's log-probability under the model's own
+    distribution, softmax(logits) in float32, before any temperature or filter."""
+    logits = logits.astype(jnp.float32)
+    chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
+    return chosen - jax.nn.logsumexp(logits, axis=-1)
+
+
+__all__ = ["Sampling", "sample", "token_logprobs"]

@@ -14,7 +14,7 @@ from k3jax.inference import DECODE_GPU_OPTIONS, PREFILL_GPU_OPTIONS, Generator
 from k3jax.layers.mla import MLA
 from k3jax.model import layer_groups
 from k3jax.presets import preset
-from k3jax.sampling import Sampling
+from k3jax.sampling import Sampling, token_logprobs
 from k3jax.sampling import sample as sample_tokens
 from reference_numpy import rel_err
 
@@ -123,7 +123,8 @@ def test_bf16_mla_stays_near_float32():
 
 # 6 new tokens after a prompt of 14: two calls of 3 steps, the first reading past the 16-position window at its last
 # step; 8 after a prompt of 32: the cache's 40 positions filled, the third call's last step past them (held at the
-# last slot, its token dropped)
+# last slot, its token dropped). The logprobs come from the logits, so a call that reads too few cache positions
+# fails here even where its argmax does not flip.
 @pytest.mark.parametrize("prompt_lengths, new_tokens", [([5, 14, 12], 6), ([5, 19, 32], 8)])
 def test_greedy_generation_matches_full_forward_argmax(small_model, generators, prompt_lengths, new_tokens):
     gen = generators["chunked"]
@@ -134,13 +135,16 @@ def test_greedy_generation_matches_full_forward_argmax(small_model, generators, 
     lengths = np.array(prompt_lengths)
     for b, p in enumerate(prompts):
         seqs[b, : len(p)] = p
-    rows = np.arange(len(prompts))
+    rows, logprobs = np.arange(len(prompts)), []
     for _ in range(new_tokens):
-        logits = small_model.forward(small_model.params, jnp.asarray(seqs))
-        seqs[rows, lengths] = np.asarray(jnp.argmax(logits[rows, lengths - 1], axis=-1))
+        logits = small_model.forward(small_model.params, jnp.asarray(seqs))[rows, lengths - 1]
+        seqs[rows, lengths] = np.asarray(jnp.argmax(logits, axis=-1))
+        logprobs.append(np.asarray(jax.nn.log_softmax(logits, axis=-1))[rows, seqs[rows, lengths]])
         lengths = lengths + 1
     for b, (prompt, new) in enumerate(zip(prompts, out.tokens)):
         assert new == list(seqs[b, len(prompt) : len(prompt) + new_tokens])
+    for step, expected in enumerate(logprobs):
+        assert rel_err(np.array(out.logprobs)[:, step], expected) < TOLERANCE[small_model.cfg.name], step
 
 
 def test_decode_steps_in_one_call_equal_steps_one_by_one(small_model, generators):
@@ -151,12 +155,14 @@ def test_decode_steps_in_one_call_equal_steps_one_by_one(small_model, generators
     logits, prefilled = gen.prefill(prompts, gen.init_cache(len(prompts)))
     first, positions = jnp.argmax(logits, -1).astype(jnp.int32), jnp.asarray(PROMPT_LENGTHS)
     window = gen.window(max(PROMPT_LENGTHS) + 3)
-    tokens, cache, one_by_one = first, jax.tree.map(jnp.copy, prefilled), []
+    tokens, cache, one_by_one, logprobs = first, jax.tree.map(jnp.copy, prefilled), [], []
     for s in range(3):
-        tokens, _, cache = gen.decode_step(tokens, cache, positions + s, key, warm, window, jnp.int32(s))
+        tokens, logits, cache = gen.decode_step(tokens, cache, positions + s, key, warm, window, jnp.int32(s))
         one_by_one.append(np.asarray(tokens))
-    in_one_call, _ = gen.decode_steps(first, prefilled, positions, key, 3, warm, window)
+        logprobs.append(np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))[np.arange(3), tokens])
+    in_one_call, logprobs_in_one_call, _ = gen.decode_steps(first, prefilled, positions, key, 3, warm, window)
     np.testing.assert_array_equal(np.asarray(in_one_call), np.stack(one_by_one))
+    np.testing.assert_allclose(np.asarray(logprobs_in_one_call), np.stack(logprobs), rtol=1e-5, atol=1e-5)
 
 
 def test_sampling_is_reproducible_and_stops_per_sequence(small_model, generators):
@@ -196,6 +202,17 @@ def test_sample_filters():
         assert bool((top5 == sample(logits, k, Sampling(5.0, 5))[:, None]).any(-1).all())
         # a filter that keeps every token draws what plain temperature sampling draws
         assert (sample(logits, k, Sampling(1.5, 97)) == sample(logits, k, Sampling(1.5))).all()
+
+
+def test_token_logprobs_are_the_log_softmax_at_the_tokens():
+    """Large bf16 logits (a naive exp overflows float32); against float64 NumPy."""
+    logits = (jax.random.normal(jax.random.key(7), (3, 97)) * 60).astype(jnp.bfloat16)
+    tokens = jnp.array([0, 50, 96], jnp.int32)
+    exact = np.asarray(logits.astype(jnp.float32), np.float64)
+    exact = exact - exact.max(-1, keepdims=True)
+    exact = exact - np.log(np.exp(exact).sum(-1, keepdims=True))
+    np.testing.assert_allclose(np.asarray(token_logprobs(logits, tokens)), exact[np.arange(3), tokens], rtol=1e-5,
+                               atol=1e-4)
 
 
 def test_top_p_keeps_the_smallest_nucleus():
