@@ -1,6 +1,7 @@
 """The ``k3jax`` command.
 
     k3jax generate [--model PATH | --preset tiny] [--prompt TEXT] [sampling flags] [--stream] [--steps-per-call N]
+                   [--deterministic]
     k3jax memory --config kimi-k3 --context 1048576 [--batch N]
     k3jax info [--config kimi-k3]
     k3jax convert ...            (see ``k3jax convert --help``)
@@ -53,7 +54,8 @@ def _generate(args) -> int:
     chunk = DEFAULT_PREFILL_CHUNK if args.prefill_chunk is None else args.prefill_chunk
     steps = DEFAULT_STEPS_PER_CALL if args.steps_per_call is None else args.steps_per_call
     try:
-        generator = Generator(model, max_len=len(prompt) + args.max_tokens, prefill_chunk=chunk, steps_per_call=steps)
+        generator = Generator(model, max_len=len(prompt) + args.max_tokens, prefill_chunk=chunk, steps_per_call=steps,
+                              deterministic=args.deterministic)
     except ValueError as err:
         raise SystemExit(f"error: {err}")
     print(f"[{model.cfg.name}: {model.cfg.num_layers} layers, loaded in {time.perf_counter() - start:.1f} s]",
@@ -74,8 +76,11 @@ def _generate(args) -> int:
     if not args.stream:
         print(tokenizer.decode(out.tokens[0]), end="")
     print()
-    print(f"[{len(out.tokens[0])} tokens; prefill {out.prefill_seconds:.2f} s (compile included); "
-          f"decode {out.decode_tokens_per_second:.1f} tokens/s after the first call]", file=sys.stderr)
+    mean_logprob = sum(out.logprobs[0]) / len(out.logprobs[0])
+    print(f"[{len(out.tokens[0])} tokens, mean log-probability {mean_logprob:.3f}; "
+          f"prefill {out.prefill_seconds:.2f} s (compile included); " + (
+              f"decode {out.decode_tokens_per_second:.1f} tokens/s after the first call]" if out.decode_tokens
+              else "decode not timed: one call, which compiled]"), file=sys.stderr)
     return 0
 
 
@@ -118,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
                      "k3jax.inference.DEFAULT_STEPS_PER_CALL, 8; 1 prints each token as it is made, at the host's "
                      "cost of a dispatch per token)")
     gen.add_argument("--stream", action="store_true", help="print tokens as they come")
+    gen.add_argument("--deterministic", action="store_true",
+                     help="on a GPU, the same tokens in every process for a seed, not only within one (slower: "
+                     "k3jax.inference.DETERMINISTIC_GPU_OPTIONS)")
     gen.set_defaults(func=_generate)
 
     mem = sub.add_parser("memory", help="memory for weights and caches at a context length")

@@ -63,12 +63,22 @@ DEFAULT_PREFILL_CHUNK = 2048
 # and of 32 (the GPU's own time), against 0.95 one step a call, where the host's 0.6-1.0 ms to dispatch a step set
 # the pace (benchmarks/RESULTS.md, issue 4, thirty-fourth session).
 DEFAULT_STEPS_PER_CALL = 8
+# Run-to-run reproducibility on a GPU: XLA picks some of its kernels by timing candidates at each compile (its
+# autotuning), so two processes may sum a product in different orders; with this option the same weights, prompts and
+# seed give the same bits in every process. On the H200, `mini`'s prefill logits differed between two processes
+# without it, and prefill, decode and generate were bitwise equal across two processes with it; it cost a 2048-token
+# prefill 14.6 against 12.6 ms, the B=1 step 0.916 against 0.897 ms a token, the B=64 step 3.10 against 2.45 ms, so
+# it is off by default (benchmarks/RESULTS.md, issue 4, thirty-fifth session). Within one process a compiled call
+# repeats bitwise either way.
+DETERMINISTIC_GPU_OPTIONS = {"xla_gpu_deterministic_ops": True}
 
 
-def on_gpu(options: dict) -> dict | None:
+def on_gpu(options: dict, deterministic: bool = False) -> dict | None:
     """A jit's ``compiler_options``: ``options`` (``DECODE_GPU_OPTIONS`` or ``PREFILL_GPU_OPTIONS``, as they are at
-    the call) on a GPU, none elsewhere."""
-    return options if jax.default_backend() == "gpu" else None
+    the call), with ``DETERMINISTIC_GPU_OPTIONS`` if ``deterministic``, on a GPU; none elsewhere."""
+    if jax.default_backend() != "gpu":
+        return None
+    return {**options, **(DETERMINISTIC_GPU_OPTIONS if deterministic else {})}
 
 
 class Generator:
@@ -84,12 +94,15 @@ class Generator:
     (one compiled variant per window size, at most log2(max_len / attend_block) + 2);
     steps_per_call: decode steps ``generate`` runs per compiled call (a ``lax.scan`` on the device), so the host
     dispatches once per that many tokens; tokens reach the host, ``on_token`` and the stop checks in bursts of that
-    many, and up to twice that many steps may run past the last stop or max_new_tokens (their tokens dropped).
+    many, and up to twice that many steps may run past the last stop or max_new_tokens (their tokens dropped);
+    deterministic: on a GPU, compile every call with ``DETERMINISTIC_GPU_OPTIONS``, so a seed gives the same tokens
+    and logprobs in every process, not only within one.
     """
 
     def __init__(
         self, model: K3Model, max_len: int = 2048, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, cache_dtype=None,
         scan_layers: bool = False, attend_block: int = 256, steps_per_call: int = DEFAULT_STEPS_PER_CALL,
+        deterministic: bool = False,
     ):
         if max_len < 2:
             raise ValueError(f"max_len: must be at least 2, got {max_len}")
@@ -106,16 +119,17 @@ class Generator:
         self._graph, params = nnx.split(model)
         self._weights, self._treedef = jax.tree_util.tree_flatten(params)
         self._model = model
+        options = lambda gpu_options: on_gpu(gpu_options, deterministic)
         self._chunk = jax.jit(self._chunk_fn, donate_argnums=2, static_argnames="window",
-                              compiler_options=on_gpu(PREFILL_GPU_OPTIONS))
+                              compiler_options=options(PREFILL_GPU_OPTIONS))
         self._init_cache = jax.jit(self._init_cache_fn, static_argnums=0)
-        self._logits = jax.jit(self._logits_fn)
+        self._logits = jax.jit(self._logits_fn, compiler_options=options({}))
         self._decode = jax.jit(self._decode_fn, donate_argnums=2, static_argnames=("sampling", "window"),
-                               compiler_options=on_gpu(DECODE_GPU_OPTIONS))
+                               compiler_options=options(DECODE_GPU_OPTIONS))
         self._decode_steps = jax.jit(self._decode_steps_fn, donate_argnums=2,
                                      static_argnames=("sampling", "window", "steps"),
-                                     compiler_options=on_gpu(DECODE_GPU_OPTIONS))
-        self._first = jax.jit(self._first_fn, static_argnames="sampling")
+                                     compiler_options=options(DECODE_GPU_OPTIONS))
+        self._first = jax.jit(self._first_fn, static_argnames="sampling", compiler_options=options({}))
         self._step0 = jnp.zeros((), jnp.int32)
 
     def _merged(self, weights) -> K3Model:
@@ -151,8 +165,9 @@ class Generator:
 
     def _decode_steps_fn(self, weights, tokens, cache, positions, key, step, sampling, window, steps):
         """``steps`` decode steps under ``lax.scan`` -> (tokens [steps, B], their logprobs [steps, B], the last tokens,
-        cache, positions + steps, step + steps). A position past the cache is held at its last slot: such steps come after every sequence has
-        its max_new_tokens (``generate`` drops their tokens), and a write past the cache would be out of bounds."""
+        cache, positions + steps, step + steps). A position past the cache is held at its last slot: such steps come
+        after every sequence has its max_new_tokens (``generate`` drops their tokens), and a write past the cache would
+        be out of bounds."""
         def one(carry, _):
             tokens, cache, positions, step = carry
             positions = jnp.minimum(positions, self.max_len - 1)
@@ -310,4 +325,4 @@ class Generator:
         return Generation(out, logprobs, t1 - t0, time.perf_counter() - t2 if timed else 0.0, timed)
 
 
-__all__ = ["DEFAULT_PREFILL_CHUNK", "DEFAULT_STEPS_PER_CALL", "Generator", "Generation"]
+__all__ = ["DEFAULT_PREFILL_CHUNK", "DEFAULT_STEPS_PER_CALL", "DETERMINISTIC_GPU_OPTIONS", "Generator", "Generation"]

@@ -1,10 +1,26 @@
-"""The command line: memory and info reports, and clear errors for bad model paths and settings."""
+"""The command line: generation on the embedded default, memory and info reports, and clear errors for bad model
+paths and settings."""
+
+import math
+import re
 
 import pytest
 
 from k3jax.cli import main
 from k3jax.memory import estimate
 from k3jax.presets import preset
+
+
+def test_generate_streams_on_the_embedded_default(capsys):
+    """Greedy on the tiny random model, byte-level tokenizer: the prompt, then one printed piece per new token; the
+    summary counts them and gives their mean log-probability (within [-log V, 0] for a greedy pick)."""
+    assert main(["generate", "--prompt", "K3", "--max-tokens", "3", "--stream", "--deterministic"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("K3") and out.endswith("\n")
+    summary = re.search(r"\[3 tokens, mean log-probability (-?[0-9.]+);", err)
+    assert summary, err
+    assert -math.log(preset("tiny").vocab_size) <= float(summary.group(1)) <= 0
+    assert "decode not timed: one call, which compiled" in err
 
 
 def test_memory_report_for_a_million_tokens(capsys):

@@ -10,7 +10,7 @@ from flax import nnx
 from conftest import build
 from k3jax.implementation import use_implementation
 from k3jax.layers import basic
-from k3jax.inference import DECODE_GPU_OPTIONS, PREFILL_GPU_OPTIONS, Generator
+from k3jax.inference import DECODE_GPU_OPTIONS, DETERMINISTIC_GPU_OPTIONS, PREFILL_GPU_OPTIONS, Generator, on_gpu
 from k3jax.layers.mla import MLA
 from k3jax.model import layer_groups
 from k3jax.presets import preset
@@ -255,14 +255,20 @@ def test_invalid_sampling_values(kwargs, match):
         Sampling(**kwargs)
 
 
-def test_gpu_options_are_xla_compile_options():
+def test_gpu_options_are_xla_compile_options(monkeypatch):
     """The decode step's and the prefill's GPU compile options (the concurrent command-buffer schedule; the dot
-    merger off) are XLA options a compile accepts (on any backend) and that leave the result as it is, where a
-    misspelt value is refused."""
+    merger off), each with the deterministic ones as ``on_gpu`` merges them, are XLA options a compile accepts (on
+    any backend) and that leave the result as it is, where a misspelt value is refused."""
     merged = lambda x, a, b: (x @ a, x @ b)  # two matmuls of one input: what the dot merger joins
     x, a, b = (jax.random.normal(jax.random.key(i), shape) for i, shape in enumerate([(4, 8), (8, 16), (8, 8)]))
     want = merged(x, a, b)
-    for options in (DECODE_GPU_OPTIONS, PREFILL_GPU_OPTIONS):
+    assert on_gpu(DECODE_GPU_OPTIONS, deterministic=True) is None  # none off a GPU
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert on_gpu(PREFILL_GPU_OPTIONS) == PREFILL_GPU_OPTIONS
+    both = [on_gpu(options, deterministic=True) for options in (DECODE_GPU_OPTIONS, PREFILL_GPU_OPTIONS)]
+    assert both == [{**options, **DETERMINISTIC_GPU_OPTIONS} for options in (DECODE_GPU_OPTIONS, PREFILL_GPU_OPTIONS)]
+    monkeypatch.undo()
+    for options in (DECODE_GPU_OPTIONS, PREFILL_GPU_OPTIONS, *both):
         got = jax.jit(merged, compiler_options=options).lower(x, a, b).compile()(x, a, b)
         for g, w in zip(got, want):
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
