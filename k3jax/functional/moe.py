@@ -78,7 +78,8 @@ def moe_sorted(
     x: Array, w1: Array, w3: Array, w2: Array, weights: Array, experts: Array, act: Activation,
     matmul: Callable[[Array, Array, Array], Array] = grouped_matmul,
 ) -> Array:
-    """Sorted dispatch: token copies sorted by expert, grouped matmuls, weighted scatter back.
+    """Sorted dispatch: token copies sorted by expert, grouped matmuls, each token's k weighted outputs gathered back
+    and summed in pair order (no scatter-add, whose atomics sum in varying order on a GPU: a call repeats bitwise).
 
     Same contract as ``moe_dense``; ``matmul(x_sorted, w, group_sizes)`` does the grouped products
     (``jax.lax.ragged_dot`` by default; an MX kernel on the Pallas path; rows past the groups must come
@@ -94,7 +95,8 @@ def moe_sorted(
     xs = x[token]  # [T*k, R]
     h = act(matmul(xs, w1, group_sizes), matmul(xs, w3, group_sizes))
     y = matmul(h, w2, group_sizes).astype(jnp.float32) * weights.reshape(-1)[order][:, None]
-    return jnp.zeros((T, x.shape[1]), jnp.float32).at[token].add(y).astype(x.dtype)
+    slot = jnp.zeros_like(order).at[order].set(jnp.arange(T * k, dtype=order.dtype), unique_indices=True)
+    return jnp.sum(y[slot].reshape(T, k, -1), axis=1).astype(x.dtype)
 
 
 __all__ = ["expert_order", "select_experts", "situ", "swiglu", "grouped_matmul", "moe_dense", "moe_sorted"]
