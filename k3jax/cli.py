@@ -77,10 +77,10 @@ def _generate(args) -> int:
         print(tokenizer.decode(out.tokens[0]), end="")
     print()
     mean_logprob = sum(out.logprobs[0]) / len(out.logprobs[0])
+    decode = (f"decode {out.decode_tokens_per_second:.1f} tokens/s after the first call" if out.decode_tokens
+              else "decode not timed: one call, which compiled")
     print(f"[{len(out.tokens[0])} tokens, mean log-probability {mean_logprob:.3f}; "
-          f"prefill {out.prefill_seconds:.2f} s (compile included); " + (
-              f"decode {out.decode_tokens_per_second:.1f} tokens/s after the first call]" if out.decode_tokens
-              else "decode not timed: one call, which compiled]"), file=sys.stderr)
+          f"prefill {out.prefill_seconds:.2f} s (compile included); {decode}]", file=sys.stderr)
     return 0
 
 
