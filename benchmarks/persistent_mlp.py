@@ -67,6 +67,7 @@ OWNED_ROWS = 16  # output rows a reducing program owns
 X_ROWS = 8  # x as wgmma's N = 8 (row 0 is x)
 SPIN_LIMIT = 1 << 20  # polls of the partials before a reducing thread gives up and sums a NaN (a bug, not a hang)
 LAYER_BYTES = 3 * DIM * WIDTH * 2
+VARIANTS = (("rows", 2, 4), ("tiles", 2, 4), ("tiles", 4, 4), ("tiles", 6, 4))  # (layout, slots, down slots)
 _F32, _BF16 = jnp.float32, jnp.bfloat16
 
 
@@ -241,7 +242,7 @@ def _reduce(programs: int, dim: int):
 
 
 def _mlp_kernel(x_g, w13_g, w2_g, epoch_g, out_g, next_g, w13_s, w2_s, x_s, h_s, act_s, red_s, w13_bars, w2_bars, x_bar, *,
-                items: int, programs: int, stages: int, down_stages: int):
+                items: int, programs: int, stages: int, down_stages: int, phases: int):
     dim = x_g.shape[1]
     p = jax.lax.axis_index("programs")
     per_program = -(-items // programs)
@@ -255,20 +256,25 @@ def _mlp_kernel(x_g, w13_g, w2_g, epoch_g, out_g, next_g, w13_s, w2_s, x_s, h_s,
     def fetch_up(t):
         j, step = divmod(t, steps)
         slot = t % stages
-        plgpu.copy_gmem_to_smem(w13_g.at[item(j), :, pl.ds(step * BK, BK)], w13_s.at[pl.ds(slot * 2 * UNITS, 2 * UNITS)],
-                                w13_bars.at[slot])
+        source = w13_g.at[item(j), step] if w13_g.ndim == 4 else w13_g.at[item(j), :, pl.ds(step * BK, BK)]
+        plgpu.copy_gmem_to_smem(source, w13_s.at[pl.ds(slot * 2 * UNITS, 2 * UNITS)], w13_bars.at[slot])
 
     def fetch_down(s):
         block, j = divmod(s, per_program)
         slot = s % down_stages
-        plgpu.copy_gmem_to_smem(w2_g.at[pl.ds(block * DOWN_ROWS, DOWN_ROWS), pl.ds(item(j) * UNITS, UNITS)],
-                                w2_s.at[slot], w2_bars.at[slot])
+        if w2_g.ndim == 4:  # the item's down columns as rows, each copy's [16, 256] contiguous
+            source = w2_g.at[item(j), block]
+        elif w2_g.ndim == 3:  # the item's down columns stored as rows [16, D]
+            source = w2_g.at[item(j), :, pl.ds(block * DOWN_ROWS, DOWN_ROWS)]
+        else:
+            source = w2_g.at[pl.ds(block * DOWN_ROWS, DOWN_ROWS), pl.ds(item(j) * UNITS, UNITS)]
+        plgpu.copy_gmem_to_smem(source, w2_s.at[slot], w2_bars.at[slot])
 
     for step in range(steps):
         plgpu.copy_gmem_to_smem(x_g.at[:, pl.ds(step * BK, BK)], x_s.at[step], x_bar.at[0])
     for t in range(min(stages, up_total)):
         fetch_up(t)
-    for s in range(min(down_stages, down_total)):
+    for s in range(min(down_stages, down_total) if phases > 1 else 0):
         fetch_down(s)
     plgpu.barrier_wait(x_bar.at[0])
 
@@ -289,6 +295,8 @@ def _mlp_kernel(x_g, w13_g, w2_g, epoch_g, out_g, next_g, w13_s, w2_s, x_s, h_s,
         acc = pl.run_scoped(gate_up, plgpu.ACC((4 * UNITS, X_ROWS), _F32))
         activate(acc, act_s, h_s.at[j])
     plgpu.commit_smem()
+    if phases == 1:
+        return
 
     publish = _publish()
     for block in range(dim // DOWN_ROWS):
@@ -297,7 +305,8 @@ def _mlp_kernel(x_g, w13_g, w2_g, epoch_g, out_g, next_g, w13_s, w2_s, x_s, h_s,
                 s = block * per_program + j
                 slot = s % down_stages
                 plgpu.barrier_wait(w2_bars.at[slot])
-                plgpu.wgmma(acc_ref, w2_s.at[slot], h_s.at[j].transpose((1, 0)))
+                down_tile = w2_s.at[slot].transpose((1, 0)) if w2_g.ndim > 2 else w2_s.at[slot]
+                plgpu.wgmma(acc_ref, down_tile, h_s.at[j].transpose((1, 0)))
                 plgpu.wgmma_wait(0)
                 if s + down_stages < down_total:
                     fetch_down(s + down_stages)
@@ -306,29 +315,35 @@ def _mlp_kernel(x_g, w13_g, w2_g, epoch_g, out_g, next_g, w13_s, w2_s, x_s, h_s,
         acc = pl.run_scoped(down, plgpu.ACC((DOWN_ROWS, X_ROWS), _F32))
         publish(acc, flagged, epoch_g, p * dim + block * DOWN_ROWS)
 
-    @pl.when(p < dim // OWNED_ROWS)
-    def _():
-        _reduce(programs, dim)(flagged, epoch_g, x_g, out_g, next_g, red_s, p)
+    if phases == 3:
+        @pl.when(p < dim // OWNED_ROWS)
+        def _():
+            _reduce(programs, dim)(flagged, epoch_g, x_g, out_g, next_g, red_s, p)
 
 
-@functools.partial(jax.jit, static_argnames=("programs", "stages", "down_stages"))
-def persistent_mlp(x8, w13, w2, epoch, *, programs: int, stages: int = 4, down_stages: int = 8):
+@functools.partial(jax.jit, static_argnames=("programs", "stages", "down_stages", "phases"))
+def persistent_mlp(x8, w13, w2, epoch, *, programs: int, stages: int = 4, down_stages: int = 8, phases: int = 3):
     """x8 bf16 [8, D] (row 0 = x, the rest zero), w13 bf16 [items + 1, 32, D] (``pack_weights``), w2 bf16
     [D, F + 16], epoch int32 [1] (unique to this call among the calls of this process, > 0) -> (out [8, D]: row 0
-    = x + down(SiTU(gate x, up x)) in the step's roundings, rows 1-7 zero; epoch + 1, the next call's)."""
+    = x + down(SiTU(gate x, up x)) in the step's roundings, rows 1-7 zero; epoch + 1, the next call's).
+    ``phases`` below 3 is a timing probe: 2 skips the reduction, 1 the down product too (the outputs are not
+    written)."""
     dim = x8.shape[1]
     items = w13.shape[0] - 1
-    if (x8.shape != (X_ROWS, dim) or w13.shape[1:] != (2 * UNITS, dim) or w2.shape != (dim, (items + 1) * UNITS)
+    down_shapes = ((dim, (items + 1) * UNITS), (items + 1, UNITS, dim), (items + 1, dim // DOWN_ROWS, UNITS, DOWN_ROWS))
+    up_shapes = ((2 * UNITS, dim), (dim // BK, 2 * UNITS, BK))
+    if (x8.shape != (X_ROWS, dim) or w13.shape[1:] not in up_shapes or w2.shape not in down_shapes
             or dim % DOWN_ROWS or dim % BK or dim // OWNED_ROWS > programs):
         raise ValueError(f"x8 {x8.shape}, w13 {w13.shape}, w2 {w2.shape}: expected x8 [{X_ROWS}, D], w13 [items + 1, "
-                         f"{2 * UNITS}, D], w2 [D, (items + 1) * {UNITS}], D a multiple of {DOWN_ROWS}, "
-                         f"D / {OWNED_ROWS} <= programs = {programs}")
+                         f"{2 * UNITS}, D], w2 [D, (items + 1) * {UNITS}] or [items + 1, {UNITS}, D], D a multiple of "
+                         f"{DOWN_ROWS}, D / {OWNED_ROWS} <= programs = {programs}")
     sms = getattr(jax.devices()[0], "core_count", programs)
     if programs > sms:  # the reducing programs wait for every program: all must be resident at once
         raise ValueError(f"programs = {programs} is more than the {sms} SMs (the reduction would wait forever)")
     scratch = [
         plgpu.SMEM(((stages + 1) * 2 * UNITS, BK), _BF16, transforms=swizzled(BK)),  # + a spare slot's rows
-        plgpu.SMEM((down_stages, DOWN_ROWS, UNITS), _BF16, transforms=swizzled(UNITS)),
+        (plgpu.SMEM((down_stages, UNITS, DOWN_ROWS), _BF16, transforms=swizzled(UNITS)) if w2.ndim > 2 else
+         plgpu.SMEM((down_stages, DOWN_ROWS, UNITS), _BF16, transforms=swizzled(UNITS))),
         plgpu.SMEM((dim // BK, X_ROWS, BK), _BF16, transforms=swizzled(BK)),
         plgpu.SMEM((-(-items // programs), X_ROWS, UNITS), _BF16, transforms=swizzled(UNITS)),
         plgpu.SMEM((4 * UNITS, X_ROWS), _F32),
@@ -337,19 +352,30 @@ def persistent_mlp(x8, w13, w2, epoch, *, programs: int, stages: int = 4, down_s
         plgpu.Barrier(num_arrivals=1, num_barriers=down_stages),
         plgpu.Barrier(num_arrivals=dim // BK, num_barriers=1),
     ]
-    kernel = functools.partial(_mlp_kernel, items=items, programs=programs, stages=stages, down_stages=down_stages)
+    kernel = functools.partial(_mlp_kernel, items=items, programs=programs, stages=stages, down_stages=down_stages,
+                               phases=phases)
     out_type = (jax.ShapeDtypeStruct((X_ROWS, dim), _BF16), jax.ShapeDtypeStruct((1,), jnp.int32))
     return plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch, grid=(programs,),
                         grid_names=("programs",))(x8, w13, w2, epoch)
 
 
-def pack_weights(gate, up, down):
+def pack_weights(gate, up, down, down_as_rows: bool = False):
     """gate, up [F, D], down [D, F] -> w13 [F / 16 + 1, 32, D] (item i: gate rows 16 i.., then up rows 16 i..; the
-    last item zeros) and w2 [D, F + 16] (zero columns for the zero item)."""
+    last item zeros) and w2 [D, F + 16] (zero columns for the zero item), or with ``down_as_rows`` [F / 16 + 1, 16,
+    D] (item i's down columns as rows, so its copies read 512-byte rows rather than 32-byte ones)."""
     width, dim = gate.shape
     w13 = jnp.concatenate([gate.reshape(-1, UNITS, dim), up.reshape(-1, UNITS, dim)], axis=1)
     w13 = jnp.concatenate([w13, jnp.zeros((1, 2 * UNITS, dim), w13.dtype)])
-    return w13, jnp.concatenate([down, jnp.zeros((dim, UNITS), down.dtype)], axis=1)
+    w2 = jnp.concatenate([down, jnp.zeros((dim, UNITS), down.dtype)], axis=1)
+    return w13, (w2.T.reshape(-1, UNITS, dim) if down_as_rows else w2)
+
+
+def tiled(w13, w2_rows):
+    """``pack_weights``' w13 and down-as-rows w2 with every copy's box contiguous: w13 [items, D / 256, 32, 256],
+    w2 [items, D / 256, 16, 256]."""
+    items, _, dim = w13.shape
+    split = lambda a: a.reshape(items, a.shape[1], dim // BK, BK).transpose(0, 2, 1, 3)
+    return split(w13), split(w2_rows)
 
 
 def reference(x, layers) -> np.ndarray:
@@ -366,13 +392,15 @@ def reference(x, layers) -> np.ndarray:
     return x
 
 
-def persistent_chain(packed, programs: int, stages: int, down_stages: int):
-    """length -> the jitted chain (x8, epoch) -> (x8 after ``length`` persistent layers, the next epoch)."""
+def persistent_chain(packed, programs: int, stages: int, down_stages: int, phases: int = 3):
+    """length -> the jitted chain (x8, epoch) -> (x8 after ``length`` persistent layers, the next epoch). A probe
+    (``phases`` < 3) writes no epoch: it passes its own on, so it must come after every checked chain."""
     def make(length):
         def chain(x8, epoch):
             for i in range(length):
-                x8, epoch = persistent_mlp(x8, *packed[i % len(packed)], epoch, programs=programs, stages=stages,
-                                           down_stages=down_stages)
+                out, next_epoch = persistent_mlp(x8, *packed[i % len(packed)], epoch, programs=programs,
+                                                 stages=stages, down_stages=down_stages, phases=phases)
+                x8, epoch = out, (next_epoch if phases == 3 else epoch)  # a probe's out: unwritten, but used
             return x8, epoch
 
         return jax.jit(chain, compiler_options=on_gpu(DECODE_GPU_OPTIONS))
@@ -439,17 +467,20 @@ def main() -> None:
     normal = lambda key, shape, fan_in: (jax.random.normal(key, shape, _F32) * fan_in**-0.5).astype(_BF16)
     layers = [(normal(keys[3 * i], (WIDTH, DIM), DIM), normal(keys[3 * i + 1], (WIDTH, DIM), DIM),
                normal(keys[3 * i + 2], (DIM, WIDTH), WIDTH)) for i in range(short)]
-    packed = [pack_weights(*layer) for layer in layers]
+    packed = {"rows": [pack_weights(*layer, down_as_rows=True) for layer in layers]}
+    packed["tiles"] = [tiled(*pair) for pair in packed["rows"]]
     x_row = jax.random.normal(keys[-1], (DIM,), _F32).astype(_BF16)
     x8 = jnp.zeros((X_ROWS, DIM), _BF16).at[0].set(x_row)
     expected = {1: reference(x_row, layers[:1]), short: reference(x_row, layers)}
-    forms = {f"persistent, {s} + {args.down_stages} slots": persistent_chain(packed, programs, s, args.down_stages)
-             for s in sorted({args.stages, 6})}
+    forms = {}
+    for rows, stages, down_stages in VARIANTS:
+        name = f"persistent, {rows}, {stages} + {down_stages} slots"
+        forms[name] = persistent_chain(packed[rows], programs, stages, down_stages)
     forms["step kernels"] = step_chain(layers)
     epoch = jnp.ones((1,), jnp.int32)
     rows = []
     for name, make in forms.items():
-        for length, bound in ((1, 2e-3), (short, 1e-1)):  # the random bf16 chain amplifies rounding layer by layer
+        for length, bound in ((1, 2e-3), (short, 1e-1)) if not name.startswith("probe") else ():  # the random bf16 chain amplifies rounding layer by layer
             out, epoch = make(length)(x8, epoch)
             out = np.asarray(out.astype(_F32))
             err = float(np.linalg.norm(out[0] - expected[length]) / np.linalg.norm(expected[length]))
