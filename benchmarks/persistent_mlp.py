@@ -8,36 +8,42 @@ projection's F = 5632) longer than one program should read alone, and a residual
 form the estimate assumes, so that the estimate meets one sublayer's real shape:
 
 - Items of 16 hidden units: item i's 16 gate rows and 16 up rows ([32, D], ``w13``) and its 16 columns of the down
-  weight (``w2`` [D, F]). Program p (of P, one per SM, all resident) takes items p, p + P, p + 2P (352 items on 132
-  SMs: 2 or 3 each; a missing third is a zero item past the last, read from L2 by the 44 programs that take it).
+  weight, stored as rows (``w2`` [items + 1, 16, D], so that a copy reads 512-byte rows). Program p (of P, one per
+  SM, all resident) takes items p, p + P, p + 2P (352 items on 132 SMs: 2 or 3 each; a missing third is a zero item
+  past the last, read from L2 by the 44 programs that take it).
 - Phase 1, per item: its gate and up rows times x (the weights by TMA through a ring of 32-row slots, one wgmma of
   64 rows per 256-wide step: the slot's rows and the next slot's, whose products are not used), then
   h = SiTU(bf16 gate, bf16 up) rounded to bf16, as the step rounds them.
 - Phase 2, per 256 output rows: the program's items' down columns times their h (one wgmma each, K = 16),
   summed over its items in order: the program's partial down product [D]. Its down weights depend on no other
-  program, so their copies are issued at the kernel's start and stream through phase 1. No program waits for
-  another before this point.
+  program, so their first copies are issued at the kernel's start and stream through phase 1. No program waits
+  for another before this point.
 - The one dependent hop: each partial value leaves as one 64-bit store of (float32 value, flag), the flag the
-  call's epoch (unique per call: each call returns the next one's, so the flag buffer, a ``pl.get_global`` that lives across calls,
-  needs no clearing). Program r < D / 16 owns 16 output rows: its 128 threads load their rows' words of all P
-  partials at once and again until every flag reads the epoch, sum them in a fixed order (programs, then the 8
-  thread groups), round to bf16, add the residual (x's row) and round again, as the step's epilogue does.
-  Rows 1-7 of the [8, D] output are zeros, so the output is the next link's input as it stands.
+  call's epoch (unique per call: each call returns the next one's, so the flag buffer, a ``pl.get_global`` that
+  lives across calls, needs no clearing). Program r < D / 16 owns 16 output rows: its 128 threads load their rows'
+  words of all P partials at once and again until every flag reads the epoch, sum them in a fixed order
+  (programs, then the 8 thread groups), round to bf16, add the residual (x's row) and round again, as the step's
+  epilogue does. Rows 1-7 of the [8, D] output are zeros, so the output is the next layer's input as it stands.
 
 The whole layer reads its 69 MB once, plus the partials (2.2 MB, in L2). Forms timed (us per dependent layer, a
 chain of R L layers less one of L, over (R - 1) L; ``--links`` weight sets, more than L2 holds):
 
-- ``persistent``: the kernel above;
+- ``persistent, S + 4 slots``: the kernel above with S gate/up slots (``--stages`` and 4);
 - ``step kernels``: the batch-1 step's path for this layer (``k3jax.layers.basic.project`` on the Pallas path:
   gate and up in one matvec kernel, SiTU and the down product with the residual as the step runs them),
-  compiled with the decode step's options.
+  compiled with the decode step's options;
+- probes (``phases``): the kernel without the reduction, and with phase 1 alone: where its time goes.
+
+On an H100 (RESULTS, issue 4, thirty-seventh session) the kernel is correct, its one flagged hop costs about 1 us,
+and it is slower than the step's kernels (36 against 30 us): its phases stream at 1.9 TB/s, and more slots in
+flight make it slower.
 
 Each form is checked against float32 layers with the same bf16 roundings before timing (one layer within 2e-3;
 the chain of L within 1e-1, as the random bf16 chain amplifies rounding from layer to layer), and the floor is
 the layer's bytes at the copy rate measured in the same run (``inference.ceilings``). GPU only (the flags have no
 interpret mode); on a CPU it lowers the kernel for CUDA and stops.
 
-    python3 benchmarks/persistent_mlp.py [--links 8] [--repeat 4] [--programs 132] [--stages 4]
+    python3 benchmarks/persistent_mlp.py [--links 8] [--repeat 4] [--programs 132] [--stages 2] [--down-stages 4]
 """
 
 from __future__ import annotations
@@ -67,7 +73,6 @@ OWNED_ROWS = 16  # output rows a reducing program owns
 X_ROWS = 8  # x as wgmma's N = 8 (row 0 is x)
 SPIN_LIMIT = 1 << 20  # polls of the partials before a reducing thread gives up and sums a NaN (a bug, not a hang)
 LAYER_BYTES = 3 * DIM * WIDTH * 2
-VARIANTS = (("rows", 2, 4), ("tiles", 2, 4), ("tiles", 4, 4), ("tiles", 6, 4))  # (layout, slots, down slots)
 _F32, _BF16 = jnp.float32, jnp.bfloat16
 
 
@@ -256,19 +261,14 @@ def _mlp_kernel(x_g, w13_g, w2_g, epoch_g, out_g, next_g, w13_s, w2_s, x_s, h_s,
     def fetch_up(t):
         j, step = divmod(t, steps)
         slot = t % stages
-        source = w13_g.at[item(j), step] if w13_g.ndim == 4 else w13_g.at[item(j), :, pl.ds(step * BK, BK)]
-        plgpu.copy_gmem_to_smem(source, w13_s.at[pl.ds(slot * 2 * UNITS, 2 * UNITS)], w13_bars.at[slot])
+        plgpu.copy_gmem_to_smem(w13_g.at[item(j), :, pl.ds(step * BK, BK)], w13_s.at[pl.ds(slot * 2 * UNITS, 2 * UNITS)],
+                                w13_bars.at[slot])
 
     def fetch_down(s):
         block, j = divmod(s, per_program)
         slot = s % down_stages
-        if w2_g.ndim == 4:  # the item's down columns as rows, each copy's [16, 256] contiguous
-            source = w2_g.at[item(j), block]
-        elif w2_g.ndim == 3:  # the item's down columns stored as rows [16, D]
-            source = w2_g.at[item(j), :, pl.ds(block * DOWN_ROWS, DOWN_ROWS)]
-        else:
-            source = w2_g.at[pl.ds(block * DOWN_ROWS, DOWN_ROWS), pl.ds(item(j) * UNITS, UNITS)]
-        plgpu.copy_gmem_to_smem(source, w2_s.at[slot], w2_bars.at[slot])
+        plgpu.copy_gmem_to_smem(w2_g.at[item(j), :, pl.ds(block * DOWN_ROWS, DOWN_ROWS)], w2_s.at[slot],
+                                w2_bars.at[slot])
 
     for step in range(steps):
         plgpu.copy_gmem_to_smem(x_g.at[:, pl.ds(step * BK, BK)], x_s.at[step], x_bar.at[0])
@@ -305,8 +305,7 @@ def _mlp_kernel(x_g, w13_g, w2_g, epoch_g, out_g, next_g, w13_s, w2_s, x_s, h_s,
                 s = block * per_program + j
                 slot = s % down_stages
                 plgpu.barrier_wait(w2_bars.at[slot])
-                down_tile = w2_s.at[slot].transpose((1, 0)) if w2_g.ndim > 2 else w2_s.at[slot]
-                plgpu.wgmma(acc_ref, down_tile, h_s.at[j].transpose((1, 0)))
+                plgpu.wgmma(acc_ref, w2_s.at[slot].transpose((1, 0)), h_s.at[j].transpose((1, 0)))
                 plgpu.wgmma_wait(0)
                 if s + down_stages < down_total:
                     fetch_down(s + down_stages)
@@ -322,28 +321,25 @@ def _mlp_kernel(x_g, w13_g, w2_g, epoch_g, out_g, next_g, w13_s, w2_s, x_s, h_s,
 
 
 @functools.partial(jax.jit, static_argnames=("programs", "stages", "down_stages", "phases"))
-def persistent_mlp(x8, w13, w2, epoch, *, programs: int, stages: int = 4, down_stages: int = 8, phases: int = 3):
-    """x8 bf16 [8, D] (row 0 = x, the rest zero), w13 bf16 [items + 1, 32, D] (``pack_weights``), w2 bf16
-    [D, F + 16], epoch int32 [1] (unique to this call among the calls of this process, > 0) -> (out [8, D]: row 0
+def persistent_mlp(x8, w13, w2, epoch, *, programs: int, stages: int = 2, down_stages: int = 4, phases: int = 3):
+    """x8 bf16 [8, D] (row 0 = x, the rest zero), w13 bf16 [items + 1, 32, D] and w2 bf16 [items + 1, 16, D]
+    (``pack_weights``), epoch int32 [1] (unique to this call among the calls of this process, > 0) -> (out [8, D]: row 0
     = x + down(SiTU(gate x, up x)) in the step's roundings, rows 1-7 zero; epoch + 1, the next call's).
     ``phases`` below 3 is a timing probe: 2 skips the reduction, 1 the down product too (the outputs are not
     written)."""
     dim = x8.shape[1]
     items = w13.shape[0] - 1
-    down_shapes = ((dim, (items + 1) * UNITS), (items + 1, UNITS, dim), (items + 1, dim // DOWN_ROWS, UNITS, DOWN_ROWS))
-    up_shapes = ((2 * UNITS, dim), (dim // BK, 2 * UNITS, BK))
-    if (x8.shape != (X_ROWS, dim) or w13.shape[1:] not in up_shapes or w2.shape not in down_shapes
+    if (x8.shape != (X_ROWS, dim) or w13.shape[1:] != (2 * UNITS, dim) or w2.shape != (items + 1, UNITS, dim)
             or dim % DOWN_ROWS or dim % BK or dim // OWNED_ROWS > programs):
         raise ValueError(f"x8 {x8.shape}, w13 {w13.shape}, w2 {w2.shape}: expected x8 [{X_ROWS}, D], w13 [items + 1, "
-                         f"{2 * UNITS}, D], w2 [D, (items + 1) * {UNITS}] or [items + 1, {UNITS}, D], D a multiple of "
-                         f"{DOWN_ROWS}, D / {OWNED_ROWS} <= programs = {programs}")
+                         f"{2 * UNITS}, D], w2 [items + 1, {UNITS}, D], D a multiple of {DOWN_ROWS}, "
+                         f"D / {OWNED_ROWS} <= programs = {programs}")
     sms = getattr(jax.devices()[0], "core_count", programs)
     if programs > sms:  # the reducing programs wait for every program: all must be resident at once
         raise ValueError(f"programs = {programs} is more than the {sms} SMs (the reduction would wait forever)")
     scratch = [
         plgpu.SMEM(((stages + 1) * 2 * UNITS, BK), _BF16, transforms=swizzled(BK)),  # + a spare slot's rows
-        (plgpu.SMEM((down_stages, UNITS, DOWN_ROWS), _BF16, transforms=swizzled(UNITS)) if w2.ndim > 2 else
-         plgpu.SMEM((down_stages, DOWN_ROWS, UNITS), _BF16, transforms=swizzled(UNITS))),
+        plgpu.SMEM((down_stages, UNITS, DOWN_ROWS), _BF16, transforms=swizzled(UNITS)),  # h's swizzle, as wgmma asks
         plgpu.SMEM((dim // BK, X_ROWS, BK), _BF16, transforms=swizzled(BK)),
         plgpu.SMEM((-(-items // programs), X_ROWS, UNITS), _BF16, transforms=swizzled(UNITS)),
         plgpu.SMEM((4 * UNITS, X_ROWS), _F32),
@@ -359,23 +355,15 @@ def persistent_mlp(x8, w13, w2, epoch, *, programs: int, stages: int = 4, down_s
                         grid_names=("programs",))(x8, w13, w2, epoch)
 
 
-def pack_weights(gate, up, down, down_as_rows: bool = False):
-    """gate, up [F, D], down [D, F] -> w13 [F / 16 + 1, 32, D] (item i: gate rows 16 i.., then up rows 16 i..; the
-    last item zeros) and w2 [D, F + 16] (zero columns for the zero item), or with ``down_as_rows`` [F / 16 + 1, 16,
-    D] (item i's down columns as rows, so its copies read 512-byte rows rather than 32-byte ones)."""
+def pack_weights(gate, up, down):
+    """gate, up [F, D], down [D, F] -> w13 [F / 16 + 1, 32, D] (item i: gate rows 16 i.., then up rows 16 i..) and
+    w2 [F / 16 + 1, 16, D] (item i's down columns as rows, so that its copies read 512-byte rows); the last item
+    zeros."""
     width, dim = gate.shape
     w13 = jnp.concatenate([gate.reshape(-1, UNITS, dim), up.reshape(-1, UNITS, dim)], axis=1)
-    w13 = jnp.concatenate([w13, jnp.zeros((1, 2 * UNITS, dim), w13.dtype)])
-    w2 = jnp.concatenate([down, jnp.zeros((dim, UNITS), down.dtype)], axis=1)
-    return w13, (w2.T.reshape(-1, UNITS, dim) if down_as_rows else w2)
-
-
-def tiled(w13, w2_rows):
-    """``pack_weights``' w13 and down-as-rows w2 with every copy's box contiguous: w13 [items, D / 256, 32, 256],
-    w2 [items, D / 256, 16, 256]."""
-    items, _, dim = w13.shape
-    split = lambda a: a.reshape(items, a.shape[1], dim // BK, BK).transpose(0, 2, 1, 3)
-    return split(w13), split(w2_rows)
+    zeros = jnp.zeros((1, UNITS, dim), gate.dtype)
+    return (jnp.concatenate([w13, jnp.concatenate([zeros, zeros], axis=1)]),
+            jnp.concatenate([down.T.reshape(-1, UNITS, dim), zeros]))
 
 
 def reference(x, layers) -> np.ndarray:
@@ -448,14 +436,14 @@ def main() -> None:
     ap.add_argument("--links", type=int, default=8, help="layers of the shorter chain (and weight sets)")
     ap.add_argument("--repeat", type=int, default=4, help="the longer chain is the shorter one this many times")
     ap.add_argument("--programs", type=int, default=0, help="programs (default: the SM count)")
-    ap.add_argument("--stages", type=int, default=4, help="gate/up weight slots in flight a program")
-    ap.add_argument("--down-stages", type=int, default=8, help="down weight slots in flight a program")
+    ap.add_argument("--stages", type=int, default=2, help="gate/up weight slots in flight a program (4 is timed too)")
+    ap.add_argument("--down-stages", type=int, default=4, help="down weight slots in flight a program")
     args = ap.parse_args()
     on_gpu = jax.default_backend() == "gpu"
     programs = args.programs or getattr(jax.devices()[0], "core_count", 132)
     if not on_gpu:
         items = WIDTH // UNITS
-        shapes = [((X_ROWS, DIM), _BF16), ((items + 1, 2 * UNITS, DIM), _BF16), ((DIM, WIDTH + UNITS), _BF16),
+        shapes = [((X_ROWS, DIM), _BF16), ((items + 1, 2 * UNITS, DIM), _BF16), ((items + 1, UNITS, DIM), _BF16),
                   ((1,), jnp.int32)]
         fn = functools.partial(persistent_mlp, programs=programs, stages=args.stages, down_stages=args.down_stages)
         text = jax.jit(fn).trace(*(jax.ShapeDtypeStruct(s, d) for s, d in shapes)).lower(
@@ -467,16 +455,17 @@ def main() -> None:
     normal = lambda key, shape, fan_in: (jax.random.normal(key, shape, _F32) * fan_in**-0.5).astype(_BF16)
     layers = [(normal(keys[3 * i], (WIDTH, DIM), DIM), normal(keys[3 * i + 1], (WIDTH, DIM), DIM),
                normal(keys[3 * i + 2], (DIM, WIDTH), WIDTH)) for i in range(short)]
-    packed = {"rows": [pack_weights(*layer, down_as_rows=True) for layer in layers]}
-    packed["tiles"] = [tiled(*pair) for pair in packed["rows"]]
+    packed = [pack_weights(*layer) for layer in layers]
     x_row = jax.random.normal(keys[-1], (DIM,), _F32).astype(_BF16)
     x8 = jnp.zeros((X_ROWS, DIM), _BF16).at[0].set(x_row)
     expected = {1: reference(x_row, layers[:1]), short: reference(x_row, layers)}
     forms = {}
-    for rows, stages, down_stages in VARIANTS:
-        name = f"persistent, {rows}, {stages} + {down_stages} slots"
-        forms[name] = persistent_chain(packed[rows], programs, stages, down_stages)
+    for stages in sorted({args.stages, 4}):
+        forms[f"persistent, {stages} + {args.down_stages} slots"] = persistent_chain(packed, programs, stages,
+                                                                                    args.down_stages)
     forms["step kernels"] = step_chain(layers)
+    for phases, what in ((2, "no reduction"), (1, "gate, up and SiTU only")):  # last: they write no epoch
+        forms[f"probe: {what}"] = persistent_chain(packed, programs, args.stages, args.down_stages, phases)
     epoch = jnp.ones((1,), jnp.int32)
     rows = []
     for name, make in forms.items():
