@@ -11,6 +11,7 @@ form the estimate assumes, so that the estimate meets one sublayer's real shape:
   weight, stored as rows (``w2`` [items + 1, 16, D], so that a copy reads 512-byte rows). Program p (of P, one per
   SM, all resident) takes items p, p + P, p + 2P (352 items on 132 SMs: 2 or 3 each; a missing third is a zero item
   past the last, read from L2 by the 44 programs that take it).
+  ``--units 32``: items of 32 units, whose 64 gate and up rows fill a wgmma (176 items: 1 or 2 a program).
 - Phase 1, per item: its gate and up rows times x (the weights by TMA through a ring of 32-row slots, one wgmma of
   64 rows per 256-wide step: the slot's rows and the next slot's, whose products are not used), then
   h = SiTU(bf16 gate, bf16 up) rounded to bf16, as the step rounds them.
@@ -44,6 +45,7 @@ the layer's bytes at the copy rate measured in the same run (``inference.ceiling
 interpret mode); on a CPU it lowers the kernel for CUDA and stops.
 
     python3 benchmarks/persistent_mlp.py [--links 8] [--repeat 4] [--programs 132] [--stages 2] [--down-stages 4]
+                                         [--units 16]
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ from k3jax.layers.mlp import activation
 from pallas_kernels._mosaic_gpu import swizzled
 
 DIM, WIDTH = 2048, 5632  # `mini`'s dense MLP
-UNITS = 16  # hidden units an item
+UNITS = 16  # hidden units an item, by default (16 or 32: the down product's K, a multiple of wgmma's 16)
+ROWS = 64  # rows of a gate/up wgmma: the item's 2 x units and, below 32 units, the next slot's
 BK = 256  # phase 1's contraction step
 DOWN_ROWS = 256  # phase 2's output rows a wgmma
 OWNED_ROWS = 16  # output rows a reducing program owns
@@ -103,12 +106,13 @@ def _situ(a, b):
     return arith.mulf(gate, arith.mulf(c(25.0), math.tanh(arith.mulf(b, c(1 / 25)))))
 
 
-def _activate():
-    """(acc [64, 8] float32 in the WGMMA layout: rows 0-15 the item's gate sums, 16-31 its up sums, in column 0;
-    scratch [64, 8] float32; h tile [8, 16] bf16) -> h = bf16(SiTU(bf16 gate, bf16 up)) in row 0 of the h tile."""
+def _activate(units: int):
+    """(acc [64, 8] float32 in the WGMMA layout: rows 0 to u - 1 the item's gate sums, u to 2 u - 1 its up sums, in
+    column 0; scratch [64, 8] float32; h tile [8, u] bf16) -> h = bf16(SiTU(bf16 gate, bf16 up)) in row 0 of the
+    h tile (u = ``units``)."""
     mgpu, ir, arith, gpu, llvm, _, memref, scf = _ir()
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), plgpu.RefType(swizzled(UNITS))))
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), plgpu.RefType(swizzled(units))))
     def activate(ctx, acc, scratch, h_ref):
         del ctx
         i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
@@ -119,13 +123,13 @@ def _activate():
                 memref.store(value, scratch, [row, arith.addi(col, arith.constant(index, e))])
         mgpu.utils.warpgroup_barrier()
         tid = gpu.thread_id(gpu.Dimension.x)
-        unit = arith.cmpi(arith.CmpIPredicate.ult, tid, arith.constant(index, UNITS))
+        unit = arith.cmpi(arith.CmpIPredicate.ult, tid, arith.constant(index, units))
         branch = scf.IfOp(unit)
         with ir.InsertionPoint(branch.then_block):
             zero = arith.constant(index, 0)
             rounded = lambda v: arith.extf(f32, arith.truncf(bf16, v))
             gate = rounded(memref.load(scratch, [tid, zero]))
-            up = rounded(memref.load(scratch, [arith.addi(tid, arith.constant(index, UNITS)), zero]))
+            up = rounded(memref.load(scratch, [arith.addi(tid, arith.constant(index, units)), zero]))
             h = arith.truncf(bf16, _situ(gate, up))
             byte = arith.muli(arith.index_cast(i32, tid), arith.constant(i32, 2))  # row 0: not swizzled
             llvm.store(h, mgpu.utils.getelementptr(mgpu.utils.memref_ptr(h_ref), [byte], ir.IntegerType.get_signless(8)))
@@ -248,7 +252,7 @@ def _reduce(programs: int, dim: int):
 
 def _mlp_kernel(x_g, w13_g, w2_g, epoch_g, out_g, next_g, w13_s, w2_s, x_s, h_s, act_s, red_s, w13_bars, w2_bars, x_bar, *,
                 items: int, programs: int, stages: int, down_stages: int, phases: int):
-    dim = x_g.shape[1]
+    dim, units = x_g.shape[1], w2_g.shape[1]
     p = jax.lax.axis_index("programs")
     per_program = -(-items // programs)
     steps = dim // BK
@@ -261,7 +265,7 @@ def _mlp_kernel(x_g, w13_g, w2_g, epoch_g, out_g, next_g, w13_s, w2_s, x_s, h_s,
     def fetch_up(t):
         j, step = divmod(t, steps)
         slot = t % stages
-        plgpu.copy_gmem_to_smem(w13_g.at[item(j), :, pl.ds(step * BK, BK)], w13_s.at[pl.ds(slot * 2 * UNITS, 2 * UNITS)],
+        plgpu.copy_gmem_to_smem(w13_g.at[item(j), :, pl.ds(step * BK, BK)], w13_s.at[pl.ds(slot * 2 * units, 2 * units)],
                                 w13_bars.at[slot])
 
     def fetch_down(s):
@@ -278,21 +282,21 @@ def _mlp_kernel(x_g, w13_g, w2_g, epoch_g, out_g, next_g, w13_s, w2_s, x_s, h_s,
         fetch_down(s)
     plgpu.barrier_wait(x_bar.at[0])
 
-    activate = _activate()
+    activate = _activate(units)
     for j in range(per_program):
         def gate_up(acc_ref, j=j):
             for step in range(steps):
                 t = j * steps + step
                 slot = t % stages
                 plgpu.barrier_wait(w13_bars.at[slot])
-                # 64 rows from the slot: its 32 and the next slot's (or the spare), whose sums are not used
-                plgpu.wgmma(acc_ref, w13_s.at[pl.ds(slot * 2 * UNITS, 4 * UNITS)], x_s.at[step].transpose((1, 0)))
+                # 64 rows from the slot: its 2 u and the next slot's (or the spare's), whose sums are not used
+                plgpu.wgmma(acc_ref, w13_s.at[pl.ds(slot * 2 * units, ROWS)], x_s.at[step].transpose((1, 0)))
                 plgpu.wgmma_wait(0)
                 if t + stages < up_total:
                     fetch_up(t + stages)
             return acc_ref[...]
 
-        acc = pl.run_scoped(gate_up, plgpu.ACC((4 * UNITS, X_ROWS), _F32))
+        acc = pl.run_scoped(gate_up, plgpu.ACC((ROWS, X_ROWS), _F32))
         activate(acc, act_s, h_s.at[j])
     plgpu.commit_smem()
     if phases == 1:
@@ -322,27 +326,27 @@ def _mlp_kernel(x_g, w13_g, w2_g, epoch_g, out_g, next_g, w13_s, w2_s, x_s, h_s,
 
 @functools.partial(jax.jit, static_argnames=("programs", "stages", "down_stages", "phases"))
 def persistent_mlp(x8, w13, w2, epoch, *, programs: int, stages: int = 2, down_stages: int = 4, phases: int = 3):
-    """x8 bf16 [8, D] (row 0 = x, the rest zero), w13 bf16 [items + 1, 32, D] and w2 bf16 [items + 1, 16, D]
-    (``pack_weights``), epoch int32 [1] (unique to this call among the calls of this process, > 0) -> (out [8, D]: row 0
+    """x8 bf16 [8, D] (row 0 = x, the rest zero), w13 bf16 [items + 1, 2 u, D] and w2 bf16 [items + 1, u, D]
+    (``pack_weights``, u = 16 or 32 units an item), epoch int32 [1] (unique to this call among the calls of this process, > 0) -> (out [8, D]: row 0
     = x + down(SiTU(gate x, up x)) in the step's roundings, rows 1-7 zero; epoch + 1, the next call's).
     ``phases`` below 3 is a timing probe: 2 skips the reduction, 1 the down product too (the outputs are not
     written)."""
-    dim = x8.shape[1]
+    dim, units = x8.shape[1], w2.shape[1]
     items = w13.shape[0] - 1
-    if (x8.shape != (X_ROWS, dim) or w13.shape[1:] != (2 * UNITS, dim) or w2.shape != (items + 1, UNITS, dim)
-            or dim % DOWN_ROWS or dim % BK or dim // OWNED_ROWS > programs):
+    if (x8.shape != (X_ROWS, dim) or units not in (16, 32) or w13.shape[1:] != (2 * units, dim)
+            or w2.shape != (items + 1, units, dim) or dim % DOWN_ROWS or dim % BK or dim // OWNED_ROWS > programs):
         raise ValueError(f"x8 {x8.shape}, w13 {w13.shape}, w2 {w2.shape}: expected x8 [{X_ROWS}, D], w13 [items + 1, "
-                         f"{2 * UNITS}, D], w2 [items + 1, {UNITS}, D], D a multiple of {DOWN_ROWS}, "
+                         f"2 u, D], w2 [items + 1, u, D] with u 16 or 32, D a multiple of {DOWN_ROWS}, "
                          f"D / {OWNED_ROWS} <= programs = {programs}")
     sms = getattr(jax.devices()[0], "core_count", programs)
     if programs > sms:  # the reducing programs wait for every program: all must be resident at once
         raise ValueError(f"programs = {programs} is more than the {sms} SMs (the reduction would wait forever)")
     scratch = [
-        plgpu.SMEM(((stages + 1) * 2 * UNITS, BK), _BF16, transforms=swizzled(BK)),  # + a spare slot's rows
-        plgpu.SMEM((down_stages, UNITS, DOWN_ROWS), _BF16, transforms=swizzled(UNITS)),  # h's swizzle, as wgmma asks
+        plgpu.SMEM(((stages - 1) * 2 * units + ROWS, BK), _BF16, transforms=swizzled(BK)),  # the last slot's 64 rows
+        plgpu.SMEM((down_stages, units, DOWN_ROWS), _BF16, transforms=swizzled(units)),  # h's swizzle, as wgmma asks
         plgpu.SMEM((dim // BK, X_ROWS, BK), _BF16, transforms=swizzled(BK)),
-        plgpu.SMEM((-(-items // programs), X_ROWS, UNITS), _BF16, transforms=swizzled(UNITS)),
-        plgpu.SMEM((4 * UNITS, X_ROWS), _F32),
+        plgpu.SMEM((-(-items // programs), X_ROWS, units), _BF16, transforms=swizzled(units)),
+        plgpu.SMEM((ROWS, X_ROWS), _F32),
         plgpu.SMEM((128,), _F32),
         plgpu.Barrier(num_arrivals=1, num_barriers=stages),
         plgpu.Barrier(num_arrivals=1, num_barriers=down_stages),
@@ -355,15 +359,15 @@ def persistent_mlp(x8, w13, w2, epoch, *, programs: int, stages: int = 2, down_s
                         grid_names=("programs",))(x8, w13, w2, epoch)
 
 
-def pack_weights(gate, up, down):
-    """gate, up [F, D], down [D, F] -> w13 [F / 16 + 1, 32, D] (item i: gate rows 16 i.., then up rows 16 i..) and
-    w2 [F / 16 + 1, 16, D] (item i's down columns as rows, so that its copies read 512-byte rows); the last item
-    zeros."""
+def pack_weights(gate, up, down, units: int = UNITS):
+    """gate, up [F, D], down [D, F] -> w13 [F / u + 1, 2 u, D] (item i: gate rows u i.., then up rows u i..) and
+    w2 [F / u + 1, u, D] (item i's down columns as rows, so that its copies read 512-byte rows); the last item
+    zeros (u = ``units``)."""
     width, dim = gate.shape
-    w13 = jnp.concatenate([gate.reshape(-1, UNITS, dim), up.reshape(-1, UNITS, dim)], axis=1)
-    zeros = jnp.zeros((1, UNITS, dim), gate.dtype)
+    w13 = jnp.concatenate([gate.reshape(-1, units, dim), up.reshape(-1, units, dim)], axis=1)
+    zeros = jnp.zeros((1, units, dim), gate.dtype)
     return (jnp.concatenate([w13, jnp.concatenate([zeros, zeros], axis=1)]),
-            jnp.concatenate([down.T.reshape(-1, UNITS, dim), zeros]))
+            jnp.concatenate([down.T.reshape(-1, units, dim), zeros]))
 
 
 def reference(x, layers) -> np.ndarray:
@@ -438,12 +442,13 @@ def main() -> None:
     ap.add_argument("--programs", type=int, default=0, help="programs (default: the SM count)")
     ap.add_argument("--stages", type=int, default=2, help="gate/up weight slots in flight a program (4 is timed too)")
     ap.add_argument("--down-stages", type=int, default=4, help="down weight slots in flight a program")
+    ap.add_argument("--units", type=int, default=UNITS, choices=(16, 32), help="hidden units an item")
     args = ap.parse_args()
     on_gpu = jax.default_backend() == "gpu"
     programs = args.programs or getattr(jax.devices()[0], "core_count", 132)
     if not on_gpu:
-        items = WIDTH // UNITS
-        shapes = [((X_ROWS, DIM), _BF16), ((items + 1, 2 * UNITS, DIM), _BF16), ((items + 1, UNITS, DIM), _BF16),
+        items = WIDTH // args.units
+        shapes = [((X_ROWS, DIM), _BF16), ((items + 1, 2 * args.units, DIM), _BF16), ((items + 1, args.units, DIM), _BF16),
                   ((1,), jnp.int32)]
         fn = functools.partial(persistent_mlp, programs=programs, stages=args.stages, down_stages=args.down_stages)
         text = jax.jit(fn).trace(*(jax.ShapeDtypeStruct(s, d) for s, d in shapes)).lower(
@@ -455,7 +460,7 @@ def main() -> None:
     normal = lambda key, shape, fan_in: (jax.random.normal(key, shape, _F32) * fan_in**-0.5).astype(_BF16)
     layers = [(normal(keys[3 * i], (WIDTH, DIM), DIM), normal(keys[3 * i + 1], (WIDTH, DIM), DIM),
                normal(keys[3 * i + 2], (DIM, WIDTH), WIDTH)) for i in range(short)]
-    packed = [pack_weights(*layer) for layer in layers]
+    packed = [pack_weights(*layer, units=args.units) for layer in layers]
     x_row = jax.random.normal(keys[-1], (DIM,), _F32).astype(_BF16)
     x8 = jnp.zeros((X_ROWS, DIM), _BF16).at[0].set(x_row)
     expected = {1: reference(x_row, layers[:1]), short: reference(x_row, layers)}

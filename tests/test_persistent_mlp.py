@@ -4,7 +4,8 @@ flags, which interpret mode cannot run, so its values are checked on the GPU by 
 1. ``pack_weights``' items against the gate, up and down weights indexed directly (the zero item included);
 2. the benchmark's float32 reference layer against the model's ``DenseMLP`` on the reference path with bf16
    weights and the residual added (the step's roundings it claims), on random data;
-3. the kernel lowers for CUDA at `mini`'s shape, and a grid too small for the reduction is refused by name.
+3. the kernel lowers for CUDA at `mini`'s shape (items of 16 and 32 units), and a grid too small for the
+   reduction or another item size is refused by name.
 """
 
 import sys
@@ -28,15 +29,16 @@ def _weights(dim, width, seed=0):
             for k, shape in zip(keys, [(width, dim), (width, dim), (dim, width)])]
 
 
-def test_pack_weights_items():
-    gate, up, down = _weights(64, 48)
-    w13, w2 = pm.pack_weights(gate, up, down)
-    assert w13.shape == (48 // pm.UNITS + 1, 2 * pm.UNITS, 64) and w2.shape == (48 // pm.UNITS + 1, pm.UNITS, 64)
-    for i in range(48 // pm.UNITS):
-        units = slice(pm.UNITS * i, pm.UNITS * (i + 1))
-        np.testing.assert_array_equal(w13[i, :pm.UNITS], gate[units])
-        np.testing.assert_array_equal(w13[i, pm.UNITS:], up[units])
-        np.testing.assert_array_equal(w2[i], down[:, units].T)
+@pytest.mark.parametrize("units", [16, 32])
+def test_pack_weights_items(units):
+    gate, up, down = _weights(64, 96)
+    w13, w2 = pm.pack_weights(gate, up, down, units=units)
+    assert w13.shape == (96 // units + 1, 2 * units, 64) and w2.shape == (96 // units + 1, units, 64)
+    for i in range(96 // units):
+        rows = slice(units * i, units * (i + 1))
+        np.testing.assert_array_equal(w13[i, :units], gate[rows])
+        np.testing.assert_array_equal(w13[i, units:], up[rows])
+        np.testing.assert_array_equal(w2[i], down[:, rows].T)
     assert not w13[-1].any() and not w2[-1].any()
 
 
@@ -51,14 +53,23 @@ def test_reference_layer_is_the_models_mlp():
     assert np.linalg.norm(got - expected) / np.linalg.norm(expected) < 1e-2
 
 
-def test_kernel_lowers_for_cuda_and_checks_its_grid():
-    items = pm.WIDTH // pm.UNITS
+def _lower(units, programs):
+    items = pm.WIDTH // units
     args = (jax.ShapeDtypeStruct((pm.X_ROWS, pm.DIM), jnp.bfloat16),
-            jax.ShapeDtypeStruct((items + 1, 2 * pm.UNITS, pm.DIM), jnp.bfloat16),
-            jax.ShapeDtypeStruct((items + 1, pm.UNITS, pm.DIM), jnp.bfloat16),
+            jax.ShapeDtypeStruct((items + 1, 2 * units, pm.DIM), jnp.bfloat16),
+            jax.ShapeDtypeStruct((items + 1, units, pm.DIM), jnp.bfloat16),
             jax.ShapeDtypeStruct((1,), jnp.int32))
-    lower = lambda programs: jax.jit(lambda *a: pm.persistent_mlp(*a, programs=programs)).trace(*args).lower(
+    return jax.jit(lambda *a: pm.persistent_mlp(*a, programs=programs)).trace(*args).lower(
         lowering_platforms=("cuda",))
-    assert "mosaic_gpu" in lower(132).as_text()
+
+
+@pytest.mark.parametrize("units", [16, 32])
+def test_kernel_lowers_for_cuda(units):
+    assert "mosaic_gpu" in _lower(units, 132).as_text()
+
+
+def test_kernel_refuses_a_small_grid_and_other_item_sizes():
     with pytest.raises(ValueError, match="programs = 64"):
-        lower(64)
+        _lower(16, 64)
+    with pytest.raises(ValueError, match="u 16 or 32"):
+        _lower(8, 132)
