@@ -49,7 +49,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from benchmarks.kda import time_jax
-from pallas_kernels._mosaic_gpu import store_transposed, swizzled
+from pallas_kernels._mosaic_gpu import splat_i32, store_transposed, swizzled
 from pallas_kernels.matvec import matvecs
 
 ROWS, X_ROWS = 64, 8
@@ -117,17 +117,6 @@ def _wait_for_every_program(programs: int):
     return wait
 
 
-def _scalar(value):
-    """The i32 value of a WG_SPLAT argument of inline Mosaic GPU code."""
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm
-
-    reg = value.registers.flat[0]
-    if isinstance(reg.type, ir.VectorType):
-        reg = llvm.extractelement(reg, arith.constant(ir.IntegerType.get_signless(32), 0))
-    return reg
-
-
 def _publish_row(words: int):
     """Threads 0-31 of a program below ``words`` / 32: word t of the output tile's row 0 (two bf16, read from
     shared memory) into flagged[link, 32 program + t] as one 64-bit store of (data, link + 1), so a reader that
@@ -141,7 +130,7 @@ def _publish_row(words: int):
         del ctx
         i32 = ir.IntegerType.get_signless(32)
         c = lambda v: arith.constant(i32, v)
-        link = _scalar(link)
+        link = splat_i32(link)
         tid = arith.index_cast(i32, gpu.thread_id(gpu.Dimension.x))
         block = arith.index_cast(i32, gpu.block_id(gpu.Dimension.x))
         word = arith.addi(arith.muli(block, c(ROWS // 2)), tid)
@@ -170,7 +159,7 @@ def _poll_row(words: int, bk: int):
         del ctx
         i32, i8 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
         c = lambda v: arith.constant(i32, v)
-        link = _scalar(link)
+        link = splat_i32(link)
         tid = arith.index_cast(i32, gpu.thread_id(gpu.Dimension.x))
         base = mgpu.utils.memref_ptr(flagged)
         x_base = mgpu.utils.memref_ptr(x_ref)

@@ -65,7 +65,7 @@ from k3jax import use_implementation
 from k3jax.inference import DECODE_GPU_OPTIONS, on_gpu
 from k3jax.layers.basic import Activated, project
 from k3jax.layers.mlp import activation
-from pallas_kernels._mosaic_gpu import swizzled
+from pallas_kernels._mosaic_gpu import splat_i32, swizzled
 
 DIM, WIDTH = 2048, 5632  # `mini`'s dense MLP
 UNITS = 16  # hidden units an item, by default (16 or 32: the down product's K, a multiple of wgmma's 16)
@@ -85,15 +85,6 @@ def _ir():
     from jax._src.lib.mlir.dialects import arith, gpu, llvm, math, memref, scf
 
     return mgpu, ir, arith, gpu, llvm, math, memref, scf
-
-
-def _scalar(value):
-    """The i32 value of a WG_SPLAT argument of inline Mosaic GPU code."""
-    _, ir, arith, _, llvm, *_ = _ir()
-    reg = value.registers.flat[0]
-    if isinstance(reg.type, ir.VectorType):
-        reg = llvm.extractelement(reg, arith.constant(ir.IntegerType.get_signless(32), 0))
-    return reg
 
 
 def _situ(a, b):
@@ -150,7 +141,7 @@ def _publish():
         i32 = ir.IntegerType.get_signless(32)
         c = lambda v: arith.constant(i32, v)
         epoch = llvm.load(i32, mgpu.utils.memref_ptr(epoch_ref))
-        first = _scalar(first)
+        first = splat_i32(first)
         base = mgpu.utils.memref_ptr(flagged)
         for reg, (row, col) in zip(acc.registers.flat, acc.layout.thread_idxs(acc.shape)):
             bits = llvm.bitcast(i32, llvm.extractelement(reg, c(0)))
@@ -184,7 +175,7 @@ def _reduce(programs: int, dim: int):
         tid_index = gpu.thread_id(gpu.Dimension.x)
         tid = arith.index_cast(i32, tid_index)
         lane_row, group = arith.remui(tid, c(OWNED_ROWS)), arith.divui(tid, c(OWNED_ROWS))
-        owner = _scalar(owner)
+        owner = splat_i32(owner)
         row = arith.addi(arith.muli(owner, c(OWNED_ROWS)), lane_row)
         base = mgpu.utils.memref_ptr(flagged)
         sources, valid = [], []
@@ -230,7 +221,7 @@ def _reduce(programs: int, dim: int):
         with ir.InsertionPoint(owned.then_block):
             total = memref.load(scratch, [tid_index])
             for g in range(1, groups):
-                total = arith.addf(total, memref.load(scratch, [arith.addi(tid_index, arith.constant(index, 16 * g))]))
+                total = arith.addf(total, memref.load(scratch, [arith.addi(tid_index, arith.constant(index, OWNED_ROWS * g))]))
             residual = arith.extf(f32, llvm.load(bf16, mgpu.utils.getelementptr(x_base, [row], bf16)))
             down = arith.extf(f32, arith.truncf(bf16, total))
             llvm.store(arith.truncf(bf16, arith.addf(down, residual)),
