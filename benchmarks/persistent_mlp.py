@@ -33,11 +33,15 @@ chain of R L layers less one of L, over (R - 1) L; ``--links`` weight sets, more
 - ``step kernels``: the batch-1 step's path for this layer (``k3jax.layers.basic.project`` on the Pallas path:
   gate and up in one matvec kernel, SiTU and the down product with the residual as the step runs them),
   compiled with the decode step's options;
-- probes (``phases``): the kernel without the reduction, and with phase 1 alone: where its time goes.
+- probes (``phases``): the kernel without the reduction, with phase 1 alone, and the gate/up weights' ring alone
+  (its barrier waits and refills, no wgmma): where its time goes;
+- ``--sweep units.stages.programs,...``: phase 1 and the ring alone at other item sizes, slot counts and program
+  counts (``--sweep-only``: those and the step kernels alone).
 
-On an H100 (RESULTS, issue 4, thirty-seventh session) the kernel is correct, its one flagged hop costs about 1 us,
-and it is slower than the step's kernels (36 against 30 us): its phases stream at 1.9 TB/s, and more slots in
-flight make it slower.
+On an H100 (RESULTS, issue 4, thirty-seventh and thirty-eighth sessions) the kernel is correct, its one flagged hop
+costs about 1 us, and it is slower than the step's kernels (36.8 against 30.3 us): the ring alone reads phase 1's
+46.1 MB at 2.4-2.56 TB/s, the wgmma add 4-5 us to it, and more slots than 4 in flight make it slower. Waiting only
+for the wgmma before the last (refilling a slot a step later) was slower at every slot count and was removed.
 
 Each form is checked against float32 layers with the same bf16 roundings before timing (one layer within 2e-3;
 the chain of L within 1e-1, as the random bf16 chain amplifies rounding from layer to layer), and the floor is
@@ -45,7 +49,7 @@ the layer's bytes at the copy rate measured in the same run (``inference.ceiling
 interpret mode); on a CPU it lowers the kernel for CUDA and stops.
 
     python3 benchmarks/persistent_mlp.py [--links 8] [--repeat 4] [--programs 132] [--stages 2] [--down-stages 4]
-                                         [--units 16]
+                                         [--units 16] [--sweep 16.4.88,32.2.88] [--sweep-only]
 """
 
 from __future__ import annotations
@@ -76,6 +80,7 @@ OWNED_ROWS = 16  # output rows a reducing program owns
 X_ROWS = 8  # x as wgmma's N = 8 (row 0 is x)
 SPIN_LIMIT = 1 << 20  # polls of the partials before a reducing thread gives up and sums a NaN (a bug, not a hang)
 LAYER_BYTES = 3 * DIM * WIDTH * 2
+GATE_UP_BYTES = 2 * DIM * WIDTH * 2  # what phase 1 reads
 _F32, _BF16 = jnp.float32, jnp.bfloat16
 
 
@@ -273,24 +278,32 @@ def _mlp_kernel(x_g, w13_g, w2_g, epoch_g, out_g, next_g, w13_s, w2_s, x_s, h_s,
         fetch_down(s)
     plgpu.barrier_wait(x_bar.at[0])
 
+    def refill(t):  # slot t's weights are read: its next tile
+        if t + stages < up_total:
+            fetch_up(t + stages)
+
     activate = _activate(units)
     for j in range(per_program):
+        if phases == 0:  # the ring alone
+            for step in range(steps):
+                plgpu.barrier_wait(w13_bars.at[(j * steps + step) % stages])
+                refill(j * steps + step)
+            continue
+
         def gate_up(acc_ref, j=j):
             for step in range(steps):
                 t = j * steps + step
-                slot = t % stages
-                plgpu.barrier_wait(w13_bars.at[slot])
+                plgpu.barrier_wait(w13_bars.at[t % stages])
                 # 64 rows from the slot: its 2 u and the next slot's (or the spare's), whose sums are not used
-                plgpu.wgmma(acc_ref, w13_s.at[pl.ds(slot * 2 * units, ROWS)], x_s.at[step].transpose((1, 0)))
+                plgpu.wgmma(acc_ref, w13_s.at[pl.ds(t % stages * 2 * units, ROWS)], x_s.at[step].transpose((1, 0)))
                 plgpu.wgmma_wait(0)
-                if t + stages < up_total:
-                    fetch_up(t + stages)
+                refill(t)
             return acc_ref[...]
 
         acc = pl.run_scoped(gate_up, plgpu.ACC((ROWS, X_ROWS), _F32))
         activate(acc, act_s, h_s.at[j])
     plgpu.commit_smem()
-    if phases == 1:
+    if phases < 2:
         return
 
     publish = _publish()
@@ -320,12 +333,13 @@ def persistent_mlp(x8, w13, w2, epoch, *, programs: int, stages: int = 2, down_s
     """x8 bf16 [8, D] (row 0 = x, the rest zero), w13 bf16 [items + 1, 2 u, D] and w2 bf16 [items + 1, u, D]
     (``pack_weights``, u = 16 or 32 units an item), epoch int32 [1] (unique to this call among the calls of this process, > 0) -> (out [8, D]: row 0
     = x + down(SiTU(gate x, up x)) in the step's roundings, rows 1-7 zero; epoch + 1, the next call's).
-    ``phases`` below 3 is a timing probe: 2 skips the reduction, 1 the down product too (the outputs are not
-    written)."""
+    ``phases`` below 3 is a timing probe: 2 skips the reduction, 1 the down product too, 0 the products too (the
+    gate/up weights' ring alone; the outputs are not written)."""
     dim, units = x8.shape[1], w2.shape[1]
     items = w13.shape[0] - 1
     if (x8.shape != (X_ROWS, dim) or units not in (16, 32) or w13.shape[1:] != (2 * units, dim)
-            or w2.shape != (items + 1, units, dim) or dim % DOWN_ROWS or dim % BK or dim // OWNED_ROWS > programs):
+            or w2.shape != (items + 1, units, dim) or dim % DOWN_ROWS or dim % BK
+            or (phases == 3 and dim // OWNED_ROWS > programs)):
         raise ValueError(f"x8 {x8.shape}, w13 {w13.shape}, w2 {w2.shape}: expected x8 [{X_ROWS}, D], w13 [items + 1, "
                          f"2 u, D], w2 [items + 1, u, D] with u 16 or 32, D a multiple of {DOWN_ROWS}, "
                          f"D / {OWNED_ROWS} <= programs = {programs}")
@@ -426,6 +440,21 @@ def best_seconds(fn, x8, epoch, rounds: int = 5, calls: int = 10):
     return best, epoch
 
 
+def sweep_forms(spec: str, packed_for, down_stages: int) -> dict:
+    """``spec``: comma-separated ``units.stages.programs`` (``16.4.88``) -> for each, the phase 1 probe and the
+    ring-alone probe (phases 0), named by the spec, with the bytes they read."""
+    forms = {}
+    for item in filter(None, spec.split(",")):
+        fields = item.split(".")
+        if not (len(fields) == 3 and all(f.isdigit() for f in fields)):
+            raise SystemExit(f"--sweep item {item!r}: expected units.stages.programs, as 16.4.88")
+        units, stages, programs = map(int, fields)
+        for phases, what in ((1, "gate, up, SiTU"), (0, "ring alone")):
+            forms[f"probe {item}: {what}"] = (persistent_chain(packed_for(units), programs, stages, down_stages,
+                                                               phases), GATE_UP_BYTES)
+    return forms
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--links", type=int, default=8, help="layers of the shorter chain (and weight sets)")
@@ -434,6 +463,9 @@ def main() -> None:
     ap.add_argument("--stages", type=int, default=2, help="gate/up weight slots in flight a program (4 is timed too)")
     ap.add_argument("--down-stages", type=int, default=4, help="down weight slots in flight a program")
     ap.add_argument("--units", type=int, default=UNITS, choices=(16, 32), help="hidden units an item")
+    ap.add_argument("--sweep", default="", help="phase probes to time after the forms: units.stages.programs,"
+                    " comma-separated (each as phase 1 alone and as the ring alone)")
+    ap.add_argument("--sweep-only", action="store_true", help="time the step kernels (the peer) and the sweep alone")
     args = ap.parse_args()
     on_gpu = jax.default_backend() == "gpu"
     programs = args.programs or getattr(jax.devices()[0], "core_count", 132)
@@ -451,20 +483,25 @@ def main() -> None:
     normal = lambda key, shape, fan_in: (jax.random.normal(key, shape, _F32) * fan_in**-0.5).astype(_BF16)
     layers = [(normal(keys[3 * i], (WIDTH, DIM), DIM), normal(keys[3 * i + 1], (WIDTH, DIM), DIM),
                normal(keys[3 * i + 2], (DIM, WIDTH), WIDTH)) for i in range(short)]
-    packed = [pack_weights(*layer, units=args.units) for layer in layers]
+    packed_for = functools.cache(lambda units: [pack_weights(*layer, units=units) for layer in layers])
+    packed = packed_for(args.units)
     x_row = jax.random.normal(keys[-1], (DIM,), _F32).astype(_BF16)
     x8 = jnp.zeros((X_ROWS, DIM), _BF16).at[0].set(x_row)
     expected = {1: reference(x_row, layers[:1]), short: reference(x_row, layers)}
-    forms = {}
-    for stages in sorted({args.stages, 4}):
-        forms[f"persistent, {stages} + {args.down_stages} slots"] = persistent_chain(packed, programs, stages,
-                                                                                    args.down_stages)
-    forms["step kernels"] = step_chain(layers)
-    for phases, what in ((2, "no reduction"), (1, "gate, up and SiTU only")):  # last: they write no epoch
-        forms[f"probe: {what}"] = persistent_chain(packed, programs, args.stages, args.down_stages, phases)
+    forms = {"step kernels": (step_chain(layers), LAYER_BYTES)}
+    if not args.sweep_only:
+        for stages in sorted({args.stages, 4}):
+            forms[f"persistent, {stages} + {args.down_stages} slots"] = (
+                persistent_chain(packed, programs, stages, args.down_stages), LAYER_BYTES)
+        for phases, what in ((2, "no reduction"), (1, "gate, up and SiTU only"), (0, "the gate/up ring alone")):
+            forms[f"probe: {what}"] = (persistent_chain(packed, programs, args.stages, args.down_stages, phases),
+                                       LAYER_BYTES if phases == 2 else GATE_UP_BYTES)
+    forms.update(sweep_forms(args.sweep, packed_for, args.down_stages))  # probes last: they write no epoch
+    copy_rate = ceilings()[0]  # first: a run cut short still has it
+    print(f"copy {copy_rate / 1e12:.2f} TB/s", flush=True)
     epoch = jnp.ones((1,), jnp.int32)
     rows = []
-    for name, make in forms.items():
+    for name, (make, size) in forms.items():
         for length, bound in ((1, 2e-3), (short, 1e-1)) if not name.startswith("probe") else ():  # the random bf16 chain amplifies rounding layer by layer
             out, epoch = make(length)(x8, epoch)
             out = np.asarray(out.astype(_F32))
@@ -479,16 +516,15 @@ def main() -> None:
             best, epoch = best_seconds(make(length), x8, epoch)
             seconds.append(best)
         per_layer = (seconds[1] - seconds[0]) / (long - short)
-        rows.append((name, per_layer * 1e6))
+        rows.append((name, per_layer * 1e6, size))
         print(f"{name}: {seconds[0] * 1e6:.0f} / {seconds[1] * 1e6:.0f} us per call of {short} / {long} layers, "
               f"{per_layer * 1e6:.2f} us per layer", flush=True)
-    copy_rate = ceilings()[0]
     floor_us = LAYER_BYTES / copy_rate * 1e6
     print(f"\ndevice {jax.devices()[0].device_kind}, JAX {jax.__version__}; chains of {short} and {long} layers; "
           f"copy {copy_rate / 1e12:.2f} TB/s, the layer's {LAYER_BYTES / 1e6:.1f} MB at it {floor_us:.2f} us")
-    print("form | us per layer | TB/s | x floor")
-    for name, us in rows:
-        print(f"{name} | {us:.2f} | {LAYER_BYTES / us / 1e6:.2f} | {us / floor_us:.2f}")
+    print("form | us per layer | MB read | TB/s | x its bytes at the copy rate")
+    for name, us, size in rows:
+        print(f"{name} | {us:.2f} | {size / 1e6:.1f} | {size / us / 1e6:.2f} | {us / (size / copy_rate * 1e6):.2f}")
 
 
 if __name__ == "__main__":
