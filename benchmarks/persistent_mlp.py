@@ -493,9 +493,9 @@ def main() -> None:
         for stages in sorted({args.stages, 4}):
             forms[f"persistent, {stages} + {args.down_stages} slots"] = (
                 persistent_chain(packed, programs, stages, args.down_stages), LAYER_BYTES)
-        for phases, what in ((2, "no reduction"), (1, "gate, up and SiTU only"), (0, "the gate/up ring alone")):
-            forms[f"probe: {what}"] = (persistent_chain(packed, programs, args.stages, args.down_stages, phases),
-                                       LAYER_BYTES if phases == 2 else GATE_UP_BYTES)
+        forms["probe: no reduction"] = (persistent_chain(packed, programs, args.stages, args.down_stages, 2),
+                                        LAYER_BYTES)
+        forms.update(sweep_forms(f"{args.units}.{args.stages}.{programs}", packed_for, args.down_stages))
     forms.update(sweep_forms(args.sweep, packed_for, args.down_stages))  # probes last: they write no epoch
     copy_rate = ceilings()[0]  # first: a run cut short still has it
     print(f"copy {copy_rate / 1e12:.2f} TB/s", flush=True)
