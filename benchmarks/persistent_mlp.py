@@ -29,10 +29,13 @@ form the estimate assumes, so that the estimate meets one sublayer's real shape:
 The whole layer reads its 69 MB once, plus the partials (2.2 MB, in L2). Forms timed (us per dependent layer, a
 chain of R L layers less one of L, over (R - 1) L; ``--links`` weight sets, more than L2 holds):
 
-- ``persistent, S + 4 slots``: the kernel above with S gate/up slots (``--stages`` and 4);
+- ``persistent, S + D slots``: the kernel above with S gate/up slots and D down slots (each of ``--stages`` with
+  each of ``--down-stages``; by default 2 and 4, with 4);
 - ``step kernels``: the batch-1 step's path for this layer (``k3jax.layers.basic.project`` on the Pallas path:
   gate and up in one matvec kernel, SiTU and the down product with the residual as the step runs them),
   compiled with the decode step's options;
+- probes, XLA row sums: phase 1's bytes (w13) and the layer's (w13, then w2) read by XLA's row reductions, one
+  kernel an array, each link scaled by the one before: what ordinary kernels take to read a phase's bytes;
 - probes (``phases``): the kernel without the reduction, with phase 1 alone, and the gate/up weights' ring alone
   (its barrier waits and refills, no wgmma): where its time goes;
 - ``--sweep units.stages.programs,...``: phase 1 and the ring alone at other item sizes, slot counts and program
@@ -48,7 +51,7 @@ the chain of L within 1e-1, as the random bf16 chain amplifies rounding from lay
 the layer's bytes at the copy rate measured in the same run (``inference.ceilings``). GPU only (the flags have no
 interpret mode); on a CPU it lowers the kernel for CUDA and stops.
 
-    python3 benchmarks/persistent_mlp.py [--links 8] [--repeat 4] [--programs 132] [--stages 2] [--down-stages 4]
+    python3 benchmarks/persistent_mlp.py [--links 8] [--repeat 4] [--programs 132] [--stages 2,4] [--down-stages 4]
                                          [--units 16] [--sweep 16.4.88,32.2.88] [--sweep-only]
 """
 
@@ -56,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import time
 
 import jax
@@ -425,6 +429,24 @@ def step_chain(layers):
     return functools.lru_cache(make)
 
 
+def read_chain(packed, arrays: int):
+    """length -> the jitted chain (x8, epoch) -> (x8, epoch) whose link reads the first ``arrays`` of a weight set's
+    (w13, w2) as XLA's row sums, each scaled by a value of the link before (so the links run one after another):
+    what an ordinary kernel takes to read a phase's bytes (the link's output is not checked)."""
+    def make(length):
+        def chain(x8, epoch):
+            scale = x8[0, 0].astype(_F32)
+            for i in range(length):
+                for w in packed[i % len(packed)][:arrays]:
+                    sums = jnp.sum(w.reshape(-1, w.shape[-1]).astype(_F32) * scale, axis=1)
+                    scale = sums[0] * 1e-30 + 1.0
+            return x8.at[0, 0].set(scale.astype(_BF16)), epoch
+
+        return jax.jit(chain, compiler_options=on_gpu(DECODE_GPU_OPTIONS))
+
+    return functools.lru_cache(make)
+
+
 def best_seconds(fn, x8, epoch, rounds: int = 5, calls: int = 10):
     """The best round's seconds a call of ``fn(x8, epoch) -> (out, next epoch)``, calls dispatched back to back,
     each with the epoch the one before returned; returns it and the epoch after the last call."""
@@ -455,13 +477,25 @@ def sweep_forms(spec: str, packed_for, down_stages: int) -> dict:
     return forms
 
 
+def _counts(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(c) for c in text.split(","))
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected positive slot counts, comma-separated, as 2,4")
+    return counts
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--links", type=int, default=8, help="layers of the shorter chain (and weight sets)")
     ap.add_argument("--repeat", type=int, default=4, help="the longer chain is the shorter one this many times")
     ap.add_argument("--programs", type=int, default=0, help="programs (default: the SM count)")
-    ap.add_argument("--stages", type=int, default=2, help="gate/up weight slots in flight a program (4 is timed too)")
-    ap.add_argument("--down-stages", type=int, default=4, help="down weight slots in flight a program")
+    ap.add_argument("--stages", type=_counts, default=(2, 4), help="gate/up weight slots in flight a program, "
+                    "comma-separated (each timed)")
+    ap.add_argument("--down-stages", type=_counts, default=(4,), help="down weight slots in flight a program, "
+                    "comma-separated (each timed with each --stages)")
     ap.add_argument("--units", type=int, default=UNITS, choices=(16, 32), help="hidden units an item")
     ap.add_argument("--sweep", default="", help="phase probes to time after the forms: units.stages.programs,"
                     " comma-separated (each as phase 1 alone and as the ring alone)")
@@ -473,7 +507,8 @@ def main() -> None:
         items = WIDTH // args.units
         shapes = [((X_ROWS, DIM), _BF16), ((items + 1, 2 * args.units, DIM), _BF16), ((items + 1, args.units, DIM), _BF16),
                   ((1,), jnp.int32)]
-        fn = functools.partial(persistent_mlp, programs=programs, stages=args.stages, down_stages=args.down_stages)
+        fn = functools.partial(persistent_mlp, programs=programs, stages=args.stages[0],
+                               down_stages=args.down_stages[0])
         text = jax.jit(fn).trace(*(jax.ShapeDtypeStruct(s, d) for s, d in shapes)).lower(
             lowering_platforms=("cuda",)).as_text()
         print(f"no GPU: the kernel lowers for CUDA ({len(text)} characters of StableHLO); nothing timed")
@@ -488,15 +523,16 @@ def main() -> None:
     x_row = jax.random.normal(keys[-1], (DIM,), _F32).astype(_BF16)
     x8 = jnp.zeros((X_ROWS, DIM), _BF16).at[0].set(x_row)
     expected = {1: reference(x_row, layers[:1]), short: reference(x_row, layers)}
-    forms = {"step kernels": (step_chain(layers), LAYER_BYTES)}
+    stages, down_stages = args.stages[0], args.down_stages[0]
+    forms = {"step kernels": (step_chain(layers), LAYER_BYTES),
+             "probe: XLA row sums of w13 (phase 1's bytes)": (read_chain(packed, 1), GATE_UP_BYTES),
+             "probe: XLA row sums of w13, then w2 (the layer's bytes)": (read_chain(packed, 2), LAYER_BYTES)}
     if not args.sweep_only:
-        for stages in sorted({args.stages, 4}):
-            forms[f"persistent, {stages} + {args.down_stages} slots"] = (
-                persistent_chain(packed, programs, stages, args.down_stages), LAYER_BYTES)
-        forms["probe: no reduction"] = (persistent_chain(packed, programs, args.stages, args.down_stages, 2),
-                                        LAYER_BYTES)
-        forms.update(sweep_forms(f"{args.units}.{args.stages}.{programs}", packed_for, args.down_stages))
-    forms.update(sweep_forms(args.sweep, packed_for, args.down_stages))  # probes last: they write no epoch
+        for s, d in itertools.product(args.stages, args.down_stages):
+            forms[f"persistent, {s} + {d} slots"] = (persistent_chain(packed, programs, s, d), LAYER_BYTES)
+        forms["probe: no reduction"] = (persistent_chain(packed, programs, stages, down_stages, 2), LAYER_BYTES)
+        forms.update(sweep_forms(f"{args.units}.{stages}.{programs}", packed_for, down_stages))
+    forms.update(sweep_forms(args.sweep, packed_for, down_stages))  # probes last: they write no epoch
     copy_rate = ceilings()[0]  # first: a run cut short still has it
     print(f"copy {copy_rate / 1e12:.2f} TB/s", flush=True)
     epoch = jnp.ones((1,), jnp.int32)
