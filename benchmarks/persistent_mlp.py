@@ -139,9 +139,9 @@ def _activate(units: int):
     return activate
 
 
-def _publish():
+def _publish(layer: int):
     """(acc [256, 8] float32 in the WGMMA layout, flagged [P * D * 2] i32, epoch [1] i32, first word) -> column
-    0's 256 values as (value, epoch) 64-bit words at flagged[2 (first + row)], one store each."""
+    0's 256 values as (value, epoch + ``layer``) 64-bit words at flagged[2 (first + row)], one store each."""
     mgpu, ir, arith, _, llvm, *_ = _ir()
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), plgpu.RefType(), plgpu.Layout.WG_SPLAT))
@@ -149,38 +149,90 @@ def _publish():
         del ctx
         i32 = ir.IntegerType.get_signless(32)
         c = lambda v: arith.constant(i32, v)
-        epoch = llvm.load(i32, mgpu.utils.memref_ptr(epoch_ref))
+        flag = arith.addi(llvm.load(i32, mgpu.utils.memref_ptr(epoch_ref)), c(layer))
         first = splat_i32(first)
         base = mgpu.utils.memref_ptr(flagged)
         for reg, (row, col) in zip(acc.registers.flat, acc.layout.thread_idxs(acc.shape)):
             bits = llvm.bitcast(i32, llvm.extractelement(reg, c(0)))
             word = arith.addi(first, arith.index_cast(i32, row))
-            dst = mgpu.utils.getelementptr(base, [arith.muli(word, c(2))], i32)
             active = arith.cmpi(arith.CmpIPredicate.eq, arith.index_cast(i32, col), c(0))
-            llvm.inline_asm(ir.Type.parse("!llvm.void"), [dst, bits, epoch, active],
-                            "{ .reg .b64 v; mov.b64 v, {$1, $2}; @$3 st.relaxed.gpu.global.b64 [$0], v; }",
-                            "l,r,r,b", has_side_effects=True)
+            _store_word(mgpu.utils.getelementptr(base, [arith.muli(word, c(2))], i32), bits, flag, active)
 
     return publish
 
 
-def _reduce(programs: int, dim: int):
-    """(flagged, epoch, x [8, D] bf16, out [8, D] bf16, next epoch [1] i32, scratch [128] float32, r) -> for the
-    16 rows r * 16 + j: out[0] = bf16(bf16(sum of the P partials) + x[0]), out[1:8] = 0; program 0 writes
-    epoch + 1. Thread t reads row t % 16 of the partials t // 16 + 8 m, all at once and again until every flag
-    reads the epoch (at most ``SPIN_LIMIT`` rounds: then its sum is a NaN, so a lost partial fails the check
-    instead of hanging the GPU), and sums them in m's order; threads 0-15 then sum the 8 groups in order."""
+def _store_word(dst, bits, flag, active=None):
+    """One 64-bit store of (bits, flag) at ``dst`` (relaxed, GPU scope: the word carries its own flag), where the i1
+    ``active`` holds (every thread without it)."""
+    _, ir, arith, _, llvm, *_ = _ir()
+    if active is None:
+        active = arith.constant(ir.IntegerType.get_signless(1), 1)
+    llvm.inline_asm(ir.Type.parse("!llvm.void"), [dst, bits, flag, active],
+                    "{ .reg .b64 v; mov.b64 v, {$1, $2}; @$3 st.relaxed.gpu.global.b64 [$0], v; }",
+                    "l,r,r,b", has_side_effects=True)
+
+
+def _poll(sources, flag) -> list:
+    """The value halves (i32) of the 64-bit words at ``sources`` (pointers), all loaded at once and again until
+    every flag half reads ``flag`` (at most ``SPIN_LIMIT`` rounds: then the first value is a NaN's bits, so a lost
+    word fails the check instead of hanging the GPU)."""
+    _, ir, _, _, llvm, *_ = _ir()
+    n = len(sources)
+    loads = "\n".join(f"ld.relaxed.gpu.global.b64 v{m}, [${n + m}];" for m in range(n))
+    unpack = "\n".join(f"mov.b64 {{${m}, f{m}}}, v{m};" for m in range(n))
+    checks = "\n".join(["setp.ne.u32 p, f0, $%d;" % (2 * n)]
+                       + [f"setp.ne.or.u32 p, f{m}, ${2 * n}, p;" for m in range(1, n)])
+    polled = llvm.inline_asm(
+        ir.Type.parse("!llvm.struct<(" + ", ".join(["i32"] * n) + ")>"), list(sources) + [flag],
+        f"""{{
+        .reg .pred p;
+        .reg .b64 v<{n}>;
+        .reg .b32 f<{n}>;
+        .reg .pred q, again;
+        .reg .b32 tries;
+        mov.u32 tries, 0;
+        WORDS_READY:
+        {loads}
+        {unpack}
+        {checks}
+        add.u32 tries, tries, 1;
+        setp.lt.u32 q, tries, {SPIN_LIMIT};
+        and.pred again, p, q;
+        @again bra WORDS_READY;
+        @p mov.b32 $0, 0x7fc00000;
+        }}""",
+        ",".join(["=r"] * n + ["l"] * n + ["r"]), has_side_effects=True)
+    return [llvm.extractvalue(ir.IntegerType.get_signless(32), polled, [m]) for m in range(n)]
+
+
+def _x_element(column, arith, i32):
+    """Row 0, ``column`` of x's shared tile [D / BK, 8, BK] (``swizzled(BK)``: 8 x 64 tiles, row 0 unswizzled), as
+    an element offset."""
+    tile = 8 * 64
+    return arith.addi(arith.muli(arith.divui(column, arith.constant(i32, 64)), arith.constant(i32, tile)),
+                      arith.remui(column, arith.constant(i32, 64)))
+
+
+def _reduce(programs: int, dim: int, layer: int, last: bool):
+    """(flagged, epoch, x tile (shared, the layer's input), out, next epoch [1] i32, scratch [128] float32, r) ->
+    for the 16 rows r * 16 + j: the layer's output bf16(bf16(sum of the P partials) + x) into ``out``: the last
+    layer's as out [8, D] bf16 (rows 1-7 zero; program 0 writes epoch + layers), an earlier layer's as (value,
+    epoch + ``layer``) words into out [D * 2] i32 for every program's next input. Thread t reads row t % 16 of the
+    partials t // 16 + 8 m (flags epoch + ``layer``) and sums them in m's order; threads 0-15 then sum the 8 thread
+    groups in order."""
     mgpu, ir, arith, gpu, llvm, _, memref, scf = _ir()
     groups = 128 // OWNED_ROWS
     per_thread = -(-programs // groups)
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 6 + (plgpu.Layout.WG_SPLAT,))
-    def reduce(ctx, flagged, epoch_ref, x_ref, out_ref, next_ref, scratch, owner):
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 2 + (plgpu.RefType(swizzled(BK)),) + (plgpu.RefType(),) * 3
+                       + (plgpu.Layout.WG_SPLAT,))
+    def reduce(ctx, flagged, epoch_ref, x_s, out_ref, next_ref, scratch, owner):
         del ctx
         i32, f32, bf16, index = (ir.IntegerType.get_signless(32), ir.F32Type.get(), ir.BF16Type.get(),
                                  ir.IndexType.get())
         c = lambda v: arith.constant(i32, v)
         epoch = llvm.load(i32, mgpu.utils.memref_ptr(epoch_ref))
+        flag = arith.addi(epoch, c(layer))
         tid_index = gpu.thread_id(gpu.Dimension.x)
         tid = arith.index_cast(i32, tid_index)
         lane_row, group = arith.remui(tid, c(OWNED_ROWS)), arith.divui(tid, c(OWNED_ROWS))
@@ -194,48 +246,28 @@ def _reduce(programs: int, dim: int):
             program = arith.minui(program, c(programs - 1))
             word = arith.addi(arith.muli(program, c(dim)), row)
             sources.append(mgpu.utils.getelementptr(base, [arith.muli(word, c(2))], i32))
-        n = per_thread
-        loads = "\n".join(f"ld.relaxed.gpu.global.b64 v{m}, [${n + m}];" for m in range(n))
-        unpack = "\n".join(f"mov.b64 {{${m}, f{m}}}, v{m};" for m in range(n))
-        checks = "\n".join(["setp.ne.u32 p, f0, $%d;" % (2 * n)]
-                           + [f"setp.ne.or.u32 p, f{m}, ${2 * n}, p;" for m in range(1, n)])
-        polled = llvm.inline_asm(
-            ir.Type.parse("!llvm.struct<(" + ", ".join(["i32"] * n) + ")>"), sources + [epoch],
-            f"""{{
-            .reg .pred p;
-            .reg .b64 v<{n}>;
-            .reg .b32 f<{n}>;
-            .reg .pred q, again;
-            .reg .b32 tries;
-            mov.u32 tries, 0;
-            PARTIALS_READY:
-            {loads}
-            {unpack}
-            {checks}
-            add.u32 tries, tries, 1;
-            setp.lt.u32 q, tries, {SPIN_LIMIT};
-            and.pred again, p, q;
-            @again bra PARTIALS_READY;
-            @p mov.b32 $0, 0x7fc00000;
-            }}""",
-            ",".join(["=r"] * n + ["l"] * n + ["r"]), has_side_effects=True)
         total = arith.constant(f32, 0.0)
-        for m in range(n):
-            value = llvm.bitcast(f32, llvm.extractvalue(i32, polled, [m]))
-            total = arith.addf(total, arith.select(valid[m], value, arith.constant(f32, 0.0)))
+        for ok, bits in zip(valid, _poll(sources, flag)):
+            total = arith.addf(total, arith.select(ok, llvm.bitcast(f32, bits), arith.constant(f32, 0.0)))
         memref.store(total, scratch, [tid_index])
         mgpu.utils.warpgroup_barrier()
-        out_base, x_base = mgpu.utils.memref_ptr(out_ref), mgpu.utils.memref_ptr(x_ref)
+        out_base, x_base = mgpu.utils.memref_ptr(out_ref), mgpu.utils.memref_ptr(x_s)
         owned = scf.IfOp(arith.cmpi(arith.CmpIPredicate.ult, tid, c(OWNED_ROWS)))
         with ir.InsertionPoint(owned.then_block):
             total = memref.load(scratch, [tid_index])
             for g in range(1, groups):
                 total = arith.addf(total, memref.load(scratch, [arith.addi(tid_index, arith.constant(index, OWNED_ROWS * g))]))
-            residual = arith.extf(f32, llvm.load(bf16, mgpu.utils.getelementptr(x_base, [row], bf16)))
+            residual = arith.extf(f32, llvm.load(bf16, mgpu.utils.getelementptr(x_base, [_x_element(row, arith, i32)], bf16)))
             down = arith.extf(f32, arith.truncf(bf16, total))
-            llvm.store(arith.truncf(bf16, arith.addf(down, residual)),
-                       mgpu.utils.getelementptr(out_base, [row], bf16))
+            value = arith.truncf(bf16, arith.addf(down, residual))
+            if last:
+                llvm.store(value, mgpu.utils.getelementptr(out_base, [row], bf16))
+            else:
+                bits = llvm.bitcast(i32, arith.extf(f32, value))
+                _store_word(mgpu.utils.getelementptr(out_base, [arith.muli(row, c(2))], i32), bits, flag)
             scf.yield_([])
+        if not last:
+            return
         zero_rows = scf.IfOp(arith.cmpi(arith.CmpIPredicate.ult, tid, c(OWNED_ROWS * (X_ROWS - 1))))
         with ir.InsertionPoint(zero_rows.then_block):
             element = arith.addi(arith.muli(arith.addi(group, c(1)), c(dim)), row)
@@ -244,34 +276,60 @@ def _reduce(programs: int, dim: int):
         first = arith.andi(arith.cmpi(arith.CmpIPredicate.eq, owner, c(0)), arith.cmpi(arith.CmpIPredicate.eq, tid, c(0)))
         bump = scf.IfOp(first)
         with ir.InsertionPoint(bump.then_block):
-            llvm.store(arith.addi(epoch, c(1)), mgpu.utils.memref_ptr(next_ref))
+            llvm.store(arith.addi(epoch, c(layer + 1)), mgpu.utils.memref_ptr(next_ref))
             scf.yield_([])
 
     return reduce
 
 
+def _broadcast(dim: int, layer: int):
+    """(words [D * 2] i32, epoch [1] i32, x tile (shared)) -> row 0 of the x tile = the D values of the words, once
+    every flag reads epoch + ``layer`` (thread t polls words t + 128 m); then a warpgroup barrier."""
+    mgpu, ir, arith, gpu, llvm, *_ = _ir()
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(swizzled(BK))))
+    def broadcast(ctx, words, epoch_ref, x_s):
+        del ctx
+        i32, f32, bf16 = ir.IntegerType.get_signless(32), ir.F32Type.get(), ir.BF16Type.get()
+        c = lambda v: arith.constant(i32, v)
+        flag = arith.addi(llvm.load(i32, mgpu.utils.memref_ptr(epoch_ref)), c(layer))
+        tid = arith.index_cast(i32, gpu.thread_id(gpu.Dimension.x))
+        base, x_base = mgpu.utils.memref_ptr(words), mgpu.utils.memref_ptr(x_s)
+        columns = [arith.addi(tid, c(128 * m)) for m in range(dim // 128)]
+        sources = [mgpu.utils.getelementptr(base, [arith.muli(col, c(2))], i32) for col in columns]
+        for col, bits in zip(columns, _poll(sources, flag)):
+            value = arith.truncf(bf16, llvm.bitcast(f32, bits))
+            llvm.store(value, mgpu.utils.getelementptr(x_base, [_x_element(col, arith, i32)], bf16))
+        mgpu.utils.warpgroup_barrier()
+
+    return broadcast
+
+
 def _mlp_kernel(x_g, w13_g, w2_g, epoch_g, out_g, next_g, w13_s, w2_s, x_s, h_s, act_s, red_s, w13_bars, w2_bars, x_bar, *,
                 items: int, programs: int, stages: int, down_stages: int, phases: int):
-    dim, units = x_g.shape[1], w2_g.shape[1]
+    layers, dim, units = w13_g.shape[0], x_g.shape[1], w2_g.shape[2]
     p = jax.lax.axis_index("programs")
     per_program = -(-items // programs)
-    steps = dim // BK
-    up_total, down_total = per_program * steps, (dim // DOWN_ROWS) * per_program
+    steps, blocks = dim // BK, dim // DOWN_ROWS
+    up_total, down_total = layers * per_program * steps, layers * blocks * per_program
     flagged = pl.get_global(plgpu.SemaphoreType.REGULAR((programs * dim * 2,)))
+    words = pl.get_global(plgpu.SemaphoreType.REGULAR((dim * 2,)))  # a layer's output, every program's next input
 
     def item(j):  # past the last item: the zero item
         return jnp.minimum(p + j * programs, items)
 
-    def fetch_up(t):
-        j, step = divmod(t, steps)
+    def fetch_up(t):  # the ring runs on across layers: a layer's last slots fetch the next one's first tiles
+        layer, rest = divmod(t, per_program * steps)
+        j, step = divmod(rest, steps)
         slot = t % stages
-        plgpu.copy_gmem_to_smem(w13_g.at[item(j), :, pl.ds(step * BK, BK)], w13_s.at[pl.ds(slot * 2 * units, 2 * units)],
-                                w13_bars.at[slot])
+        plgpu.copy_gmem_to_smem(w13_g.at[layer, item(j), :, pl.ds(step * BK, BK)],
+                                w13_s.at[pl.ds(slot * 2 * units, 2 * units)], w13_bars.at[slot])
 
     def fetch_down(s):
-        block, j = divmod(s, per_program)
+        layer, rest = divmod(s, blocks * per_program)
+        block, j = divmod(rest, per_program)
         slot = s % down_stages
-        plgpu.copy_gmem_to_smem(w2_g.at[item(j), :, pl.ds(block * DOWN_ROWS, DOWN_ROWS)], w2_s.at[slot],
+        plgpu.copy_gmem_to_smem(w2_g.at[layer, item(j), :, pl.ds(block * DOWN_ROWS, DOWN_ROWS)], w2_s.at[slot],
                                 w2_bars.at[slot])
 
     for step in range(steps):
@@ -287,66 +345,77 @@ def _mlp_kernel(x_g, w13_g, w2_g, epoch_g, out_g, next_g, w13_s, w2_s, x_s, h_s,
             fetch_up(t + stages)
 
     activate = _activate(units)
-    for j in range(per_program):
-        if phases == 0:  # the ring alone
-            for step in range(steps):
-                plgpu.barrier_wait(w13_bars.at[(j * steps + step) % stages])
-                refill(j * steps + step)
-            continue
+    for layer in range(layers):
+        for j in range(per_program):
+            first_t = (layer * per_program + j) * steps
+            if phases == 0:  # the ring alone
+                for t in range(first_t, first_t + steps):
+                    plgpu.barrier_wait(w13_bars.at[t % stages])
+                    refill(t)
+                continue
 
-        def gate_up(acc_ref, j=j):
-            for step in range(steps):
-                t = j * steps + step
-                plgpu.barrier_wait(w13_bars.at[t % stages])
-                # 64 rows from the slot: its 2 u and the next slot's (or the spare's), whose sums are not used
-                plgpu.wgmma(acc_ref, w13_s.at[pl.ds(t % stages * 2 * units, ROWS)], x_s.at[step].transpose((1, 0)))
-                plgpu.wgmma_wait(0)
-                refill(t)
-            return acc_ref[...]
+            def gate_up(acc_ref, first_t=first_t):
+                for step in range(steps):
+                    t = first_t + step
+                    plgpu.barrier_wait(w13_bars.at[t % stages])
+                    # 64 rows from the slot: its 2 u and the next slot's (or the spare's), whose sums are not used
+                    plgpu.wgmma(acc_ref, w13_s.at[pl.ds(t % stages * 2 * units, ROWS)], x_s.at[step].transpose((1, 0)))
+                    plgpu.wgmma_wait(0)
+                    refill(t)
+                return acc_ref[...]
 
-        acc = pl.run_scoped(gate_up, plgpu.ACC((ROWS, X_ROWS), _F32))
-        activate(acc, act_s, h_s.at[j])
-    plgpu.commit_smem()
-    if phases < 2:
-        return
+            acc = pl.run_scoped(gate_up, plgpu.ACC((ROWS, X_ROWS), _F32))
+            activate(acc, act_s, h_s.at[j])
+        plgpu.commit_smem()
+        if phases < 2:
+            return
 
-    publish = _publish()
-    for block in range(dim // DOWN_ROWS):
-        def down(acc_ref, block=block):
-            for j in range(per_program):
-                s = block * per_program + j
-                slot = s % down_stages
-                plgpu.barrier_wait(w2_bars.at[slot])
-                plgpu.wgmma(acc_ref, w2_s.at[slot].transpose((1, 0)), h_s.at[j].transpose((1, 0)))
-                plgpu.wgmma_wait(0)
-                if s + down_stages < down_total:
-                    fetch_down(s + down_stages)
-            return acc_ref[...]
+        publish = _publish(layer)
+        for block in range(blocks):
+            def down(acc_ref, block=block):
+                for j in range(per_program):
+                    s = (layer * blocks + block) * per_program + j
+                    slot = s % down_stages
+                    plgpu.barrier_wait(w2_bars.at[slot])
+                    plgpu.wgmma(acc_ref, w2_s.at[slot].transpose((1, 0)), h_s.at[j].transpose((1, 0)))
+                    plgpu.wgmma_wait(0)
+                    if s + down_stages < down_total:
+                        fetch_down(s + down_stages)
+                return acc_ref[...]
 
-        acc = pl.run_scoped(down, plgpu.ACC((DOWN_ROWS, X_ROWS), _F32))
-        publish(acc, flagged, epoch_g, p * dim + block * DOWN_ROWS)
+            acc = pl.run_scoped(down, plgpu.ACC((DOWN_ROWS, X_ROWS), _F32))
+            publish(acc, flagged, epoch_g, p * dim + block * DOWN_ROWS)
+        if phases < 3:
+            return
 
-    if phases == 3:
+        last = layer == layers - 1
+
         @pl.when(p < dim // OWNED_ROWS)
         def _():
-            _reduce(programs, dim)(flagged, epoch_g, x_g, out_g, next_g, red_s, p)
+            _reduce(programs, dim, layer, last)(flagged, epoch_g, x_s, out_g if last else words, next_g, red_s, p)
+
+        if not last:
+            _broadcast(dim, layer)(words, epoch_g, x_s)
+            plgpu.commit_smem()
 
 
 @functools.partial(jax.jit, static_argnames=("programs", "stages", "down_stages", "phases"))
 def persistent_mlp(x8, w13, w2, epoch, *, programs: int, stages: int = 2, down_stages: int = 4, phases: int = 3):
-    """x8 bf16 [8, D] (row 0 = x, the rest zero), w13 bf16 [items + 1, 2 u, D] and w2 bf16 [items + 1, u, D]
-    (``pack_weights``, u = 16 or 32 units an item), epoch int32 [1] (unique to this call among the calls of this process, > 0) -> (out [8, D]: row 0
-    = x + down(SiTU(gate x, up x)) in the step's roundings, rows 1-7 zero; epoch + 1, the next call's).
-    ``phases`` below 3 is a timing probe: 2 skips the reduction, 1 the down product too, 0 the products too (the
-    gate/up weights' ring alone; the outputs are not written)."""
-    dim, units = x8.shape[1], w2.shape[1]
-    items = w13.shape[0] - 1
-    if (x8.shape != (X_ROWS, dim) or units not in (16, 32) or w13.shape[1:] != (2 * units, dim)
-            or w2.shape != (items + 1, units, dim) or dim % DOWN_ROWS or dim % BK
-            or (phases == 3 and dim // OWNED_ROWS > programs)):
-        raise ValueError(f"x8 {x8.shape}, w13 {w13.shape}, w2 {w2.shape}: expected x8 [{X_ROWS}, D], w13 [items + 1, "
-                         f"2 u, D], w2 [items + 1, u, D] with u 16 or 32, D a multiple of {DOWN_ROWS}, "
-                         f"D / {OWNED_ROWS} <= programs = {programs}")
+    """x8 bf16 [8, D] (row 0 = x, the rest zero), w13 bf16 [L, items + 1, 2 u, D] and w2 bf16 [L, items + 1, u, D]
+    (L layers' ``pack_weights``, u = 16 or 32 units an item), epoch int32 [1] (the calls of this process take
+    epochs from 1 up, each the one the call before returned) -> (out [8, D]: row 0 = the L layers
+    x + down(SiTU(gate x, up x)) one after another in the step's roundings, rows 1-7 zero; epoch + L, the next
+    call's). Layer l's partials and outputs are flagged epoch + l; the weights' copy rings run on from one layer
+    into the next. ``phases`` below 3 is a timing probe of one layer: 2 skips the reduction, 1 the down product
+    too, 0 the products too (the gate/up weights' ring alone; the outputs are not written)."""
+    dim, units = x8.shape[1], w2.shape[-2]
+    layers, items = w13.shape[0], w13.shape[1] - 1
+    if (x8.shape != (X_ROWS, dim) or units not in (16, 32) or w13.shape[2:] != (2 * units, dim)
+            or w2.shape != (layers, items + 1, units, dim) or dim % DOWN_ROWS or dim % BK
+            or (phases == 3 and dim // OWNED_ROWS > programs) or (phases < 3 and layers > 1)):
+        raise ValueError(f"x8 {x8.shape}, w13 {w13.shape}, w2 {w2.shape}, phases {phases}: expected x8 [{X_ROWS}, D], "
+                         f"w13 [L, items + 1, 2 u, D], w2 [L, items + 1, u, D] with u 16 or 32, D a multiple of "
+                         f"{DOWN_ROWS}, D / {OWNED_ROWS} <= programs = {programs}, one layer for a probe")
     sms = getattr(jax.devices()[0], "core_count", programs)
     if programs > sms:  # the reducing programs wait for every program: all must be resident at once
         raise ValueError(f"programs = {programs} is more than the {sms} SMs (the reduction would wait forever)")
@@ -393,13 +462,21 @@ def reference(x, layers) -> np.ndarray:
     return x
 
 
-def persistent_chain(packed, programs: int, stages: int, down_stages: int, phases: int = 3):
-    """length -> the jitted chain (x8, epoch) -> (x8 after ``length`` persistent layers, the next epoch). A probe
-    (``phases`` < 3) writes no epoch: it passes its own on, so it must come after every checked chain."""
+def persistent_chain(packed, programs: int, stages: int, down_stages: int, phases: int = 3, layers: int = 1):
+    """length -> the jitted chain (x8, epoch) -> (x8 after ``length`` persistent layers, the next epoch), ``layers``
+    layers a kernel (``length`` a multiple of it; ``packed``'s weight sets in order, stacked ``layers`` at a time).
+    A probe (``phases`` < 3) writes no epoch: it passes its own on, so it must come after every checked chain."""
+    if len(packed) % layers:
+        raise ValueError(f"{len(packed)} weight sets do not stack {layers} at a time")
+    stacked = [tuple(jnp.stack(arrays) for arrays in zip(*packed[i:i + layers])) for i in range(0, len(packed), layers)]
+
     def make(length):
+        if length % layers:
+            raise ValueError(f"a chain of {length} layers in kernels of {layers}")
+
         def chain(x8, epoch):
-            for i in range(length):
-                out, next_epoch = persistent_mlp(x8, *packed[i % len(packed)], epoch, programs=programs,
+            for i in range(length // layers):
+                out, next_epoch = persistent_mlp(x8, *stacked[i % len(stacked)], epoch, programs=programs,
                                                  stages=stages, down_stages=down_stages, phases=phases)
                 x8, epoch = out, (next_epoch if phases == 3 else epoch)  # a probe's out: unwritten, but used
             return x8, epoch
@@ -496,6 +573,8 @@ def main() -> None:
                     "comma-separated (each timed)")
     ap.add_argument("--down-stages", type=_counts, default=(4,), help="down weight slots in flight a program, "
                     "comma-separated (each timed with each --stages)")
+    ap.add_argument("--layers", type=_counts, default=(1,), help="layers a kernel, comma-separated (each timed with each "
+                    "slot pair; each divides --links)")
     ap.add_argument("--units", type=int, default=UNITS, choices=(16, 32), help="hidden units an item")
     ap.add_argument("--sweep", default="", help="phase probes to time after the forms: units.stages.programs,"
                     " comma-separated (each as phase 1 alone and as the ring alone)")
@@ -505,13 +584,15 @@ def main() -> None:
     programs = args.programs or getattr(jax.devices()[0], "core_count", 132)
     if not on_gpu:
         items = WIDTH // args.units
-        shapes = [((X_ROWS, DIM), _BF16), ((items + 1, 2 * args.units, DIM), _BF16), ((items + 1, args.units, DIM), _BF16),
-                  ((1,), jnp.int32)]
+        layers = args.layers[-1]
+        shapes = [((X_ROWS, DIM), _BF16), ((layers, items + 1, 2 * args.units, DIM), _BF16),
+                  ((layers, items + 1, args.units, DIM), _BF16), ((1,), jnp.int32)]
         fn = functools.partial(persistent_mlp, programs=programs, stages=args.stages[0],
                                down_stages=args.down_stages[0])
         text = jax.jit(fn).trace(*(jax.ShapeDtypeStruct(s, d) for s, d in shapes)).lower(
             lowering_platforms=("cuda",)).as_text()
-        print(f"no GPU: the kernel lowers for CUDA ({len(text)} characters of StableHLO); nothing timed")
+        print(f"no GPU: the kernel of {layers} layers lowers for CUDA ({len(text)} characters of StableHLO); "
+              "nothing timed")
         return
     short, long = args.links, args.repeat * args.links
     keys = jax.random.split(jax.random.key(0), 3 * short + 1)
@@ -528,8 +609,9 @@ def main() -> None:
              "probe: XLA row sums of w13 (phase 1's bytes)": (read_chain(packed, 1), GATE_UP_BYTES),
              "probe: XLA row sums of w13, then w2 (the layer's bytes)": (read_chain(packed, 2), LAYER_BYTES)}
     if not args.sweep_only:
-        for s, d in itertools.product(args.stages, args.down_stages):
-            forms[f"persistent, {s} + {d} slots"] = (persistent_chain(packed, programs, s, d), LAYER_BYTES)
+        for s, d, n in itertools.product(args.stages, args.down_stages, args.layers):
+            name = f"persistent, {s} + {d} slots" + (f", {n} layers a kernel" if n > 1 else "")
+            forms[name] = (persistent_chain(packed, programs, s, d, layers=n), LAYER_BYTES)
         forms["probe: no reduction"] = (persistent_chain(packed, programs, stages, down_stages, 2), LAYER_BYTES)
         forms.update(sweep_forms(f"{args.units}.{stages}.{programs}", packed_for, down_stages))
     forms.update(sweep_forms(args.sweep, packed_for, down_stages))  # probes last: they write no epoch
@@ -538,7 +620,9 @@ def main() -> None:
     epoch = jnp.ones((1,), jnp.int32)
     rows = []
     for name, (make, size) in forms.items():
-        for length, bound in ((1, 2e-3), (short, 1e-1)) if not name.startswith("probe") else ():  # the random bf16 chain amplifies rounding layer by layer
+        checks = () if name.startswith("probe") else ((1, 2e-3), (short, 1e-1)) if "a kernel" not in name else (
+            (short, 1e-1),)  # the random bf16 chain amplifies rounding layer by layer
+        for length, bound in checks:
             out, epoch = make(length)(x8, epoch)
             out = np.asarray(out.astype(_F32))
             err = float(np.linalg.norm(out[0] - expected[length]) / np.linalg.norm(expected[length]))

@@ -4,8 +4,9 @@ flags, which interpret mode cannot run, so its values are checked on the GPU by 
 1. ``pack_weights``' items against the gate, up and down weights indexed directly (the zero item included);
 2. the benchmark's float32 reference layer against the model's ``DenseMLP`` on the reference path with bf16
    weights and the residual added (the step's roundings it claims), on random data;
-3. the kernel lowers for CUDA at `mini`'s shape (items of 16 and 32 units), and a grid too small for the
-   reduction or another item size is refused by name.
+3. the kernel lowers for CUDA at `mini`'s shape (items of 16 and 32 units, one layer and two a kernel), and a grid
+   too small for the reduction, another item size or a probe of several layers is refused by name; a chain's
+   weight sets that do not stack by the kernel's layers are refused.
 """
 
 import sys
@@ -53,23 +54,33 @@ def test_reference_layer_is_the_models_mlp():
     assert np.linalg.norm(got - expected) / np.linalg.norm(expected) < 1e-2
 
 
-def _lower(units, programs):
+def _lower(units, programs, layers=1, phases=3):
     items = pm.WIDTH // units
     args = (jax.ShapeDtypeStruct((pm.X_ROWS, pm.DIM), jnp.bfloat16),
-            jax.ShapeDtypeStruct((items + 1, 2 * units, pm.DIM), jnp.bfloat16),
-            jax.ShapeDtypeStruct((items + 1, units, pm.DIM), jnp.bfloat16),
+            jax.ShapeDtypeStruct((layers, items + 1, 2 * units, pm.DIM), jnp.bfloat16),
+            jax.ShapeDtypeStruct((layers, items + 1, units, pm.DIM), jnp.bfloat16),
             jax.ShapeDtypeStruct((1,), jnp.int32))
-    return jax.jit(lambda *a: pm.persistent_mlp(*a, programs=programs)).trace(*args).lower(
+    return jax.jit(lambda *a: pm.persistent_mlp(*a, programs=programs, phases=phases)).trace(*args).lower(
         lowering_platforms=("cuda",))
 
 
-@pytest.mark.parametrize("units", [16, 32])
-def test_kernel_lowers_for_cuda(units):
-    assert "mosaic_gpu" in _lower(units, 132).as_text()
+@pytest.mark.parametrize("units, layers", [(16, 1), (32, 1), (16, 2)])
+def test_kernel_lowers_for_cuda(units, layers):
+    assert "mosaic_gpu" in _lower(units, 132, layers).as_text()
 
 
-def test_kernel_refuses_a_small_grid_and_other_item_sizes():
+def test_kernel_refuses_a_small_grid_other_item_sizes_and_a_probe_of_layers():
     with pytest.raises(ValueError, match="programs = 64"):
         _lower(16, 64)
     with pytest.raises(ValueError, match="u 16 or 32"):
         _lower(8, 132)
+    with pytest.raises(ValueError, match="one layer for a probe"):
+        _lower(16, 132, layers=2, phases=1)
+
+
+def test_chain_stacks_weight_sets_by_kernel():
+    packed = [(jnp.full((2, 4, 8), i, jnp.bfloat16), jnp.full((2, 2, 8), -i, jnp.bfloat16)) for i in range(4)]
+    with pytest.raises(ValueError, match="4 weight sets do not stack 3"):
+        pm.persistent_chain(packed, 132, 2, 4, layers=3)
+    with pytest.raises(ValueError, match="a chain of 3 layers in kernels of 2"):
+        pm.persistent_chain(packed, 132, 2, 4, layers=2)(3)
