@@ -73,7 +73,7 @@ from k3jax import use_implementation
 from k3jax.inference import DECODE_GPU_OPTIONS, on_gpu
 from k3jax.layers.basic import Activated, project
 from k3jax.layers.mlp import activation
-from pallas_kernels._mosaic_gpu import splat_i32, swizzled
+from pallas_kernels._mosaic_gpu import accumulator_elements, splat_i32, swizzled
 
 DIM, WIDTH = 2048, 5632  # `mini`'s dense MLP
 UNITS = 16  # hidden units an item, by default (16 or 32: the down product's K, a multiple of wgmma's 16)
@@ -117,10 +117,8 @@ def _activate(units: int):
         del ctx
         i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
         f32, bf16 = ir.F32Type.get(), ir.BF16Type.get()
-        for reg, (row, col) in zip(acc.registers.flat, acc.layout.thread_idxs(acc.shape)):
-            for e in range(ir.VectorType(reg.type).shape[0]):
-                value = llvm.extractelement(reg, arith.constant(i32, e))
-                memref.store(value, scratch, [row, arith.addi(col, arith.constant(index, e))])
+        for value, row, col in accumulator_elements(acc):
+            memref.store(value, scratch, [row, col])
         mgpu.utils.warpgroup_barrier()
         tid = gpu.thread_id(gpu.Dimension.x)
         unit = arith.cmpi(arith.CmpIPredicate.ult, tid, arith.constant(index, units))

@@ -31,22 +31,30 @@ def swizzled(minor: int, dtype=jnp.bfloat16) -> tuple:
     return plgpu.TilingTransform((8, row_bytes // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(row_bytes)
 
 
+def accumulator_elements(acc):
+    """The elements a thread holds of a wgmma accumulator (a ``plgpu.Layout.WGMMA`` argument of inline Mosaic GPU
+    code), as (value, row, column) MLIR values, inside an ``inline_mgpu`` body."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm
+
+    i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
+    for reg, (row, col) in zip(acc.registers.flat, acc.layout.thread_idxs(acc.shape)):
+        for e in range(ir.VectorType(reg.type).shape[0]):
+            yield llvm.extractelement(reg, arith.constant(i32, e)), row, arith.addi(col, arith.constant(index, e))
+
+
 def store_transposed():
     """Inline Mosaic GPU function (ctx, acc [64, Mp] in the WGMMA layout, out_ref [Mp, 64] in shared
     memory): out_ref[col, row] = acc[row, col], each thread storing its own registers' elements, then a
     warpgroup barrier (the store is complete for every thread before a copy out)."""
     import jax.experimental.mosaic.gpu as mgpu
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm, memref
+    from jax._src.lib.mlir.dialects import memref
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
     def store(ctx, acc, out_ref):
         del ctx
-        i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
-        for reg, (row, col) in zip(acc.registers.flat, acc.layout.thread_idxs(acc.shape)):
-            for e in range(ir.VectorType(reg.type).shape[0]):
-                value = llvm.extractelement(reg, arith.constant(i32, e))
-                memref.store(value, out_ref, [arith.addi(col, arith.constant(index, e)), row])
+        for value, row, col in accumulator_elements(acc):
+            memref.store(value, out_ref, [col, row])
         mgpu.utils.warpgroup_barrier()
 
     return store
