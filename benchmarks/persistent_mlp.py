@@ -34,8 +34,6 @@ chain of R L layers less one of L, over (R - 1) L; ``--links`` weight sets, more
 - ``step kernels``: the batch-1 step's path for this layer (``k3jax.layers.basic.project`` on the Pallas path:
   gate and up in one matvec kernel, SiTU and the down product with the residual as the step runs them),
   compiled with the decode step's options;
-- probes, XLA row sums: phase 1's bytes (w13) and the layer's (w13, then w2) read by XLA's row reductions, one
-  kernel an array, each link scaled by the one before: what ordinary kernels take to read a phase's bytes;
 - probes (``phases``): the kernel without the reduction, with phase 1 alone, and the gate/up weights' ring alone
   (its barrier waits and refills, no wgmma): where its time goes;
 - ``--sweep units.stages.programs,...``: phase 1 and the ring alone at other item sizes, slot counts and program
@@ -170,10 +168,10 @@ def _store_word(dst, bits, flag, active=None):
                     "l,r,r,b", has_side_effects=True)
 
 
-def _poll(sources, flag) -> list:
-    """The value halves (i32) of the 64-bit words at ``sources`` (pointers), all loaded at once and again until
-    every flag half reads ``flag`` (at most ``SPIN_LIMIT`` rounds: then the first value is a NaN's bits, so a lost
-    word fails the check instead of hanging the GPU)."""
+def _poll(sources, flag, sleep_ns: int) -> list:
+    """The value halves (i32) of the 64-bit words at ``sources`` (pointers), all loaded at once and again, after a
+    ``sleep_ns`` nanosleep (0: none), until every flag half reads ``flag`` (at most ``SPIN_LIMIT`` rounds: then the
+    first value is a NaN's bits, so a lost word fails the check instead of hanging the GPU)."""
     _, ir, _, _, llvm, *_ = _ir()
     n = len(sources)
     loads = "\n".join(f"ld.relaxed.gpu.global.b64 v{m}, [${n + m}];" for m in range(n))
@@ -196,6 +194,7 @@ def _poll(sources, flag) -> list:
         add.u32 tries, tries, 1;
         setp.lt.u32 q, tries, {SPIN_LIMIT};
         and.pred again, p, q;
+        {f"@again nanosleep.u32 {sleep_ns};" if sleep_ns else ""}
         @again bra WORDS_READY;
         @p mov.b32 $0, 0x7fc00000;
         }}""",
@@ -211,7 +210,7 @@ def _x_element(column, arith, i32):
                       arith.remui(column, arith.constant(i32, 64)))
 
 
-def _reduce(programs: int, dim: int, layer: int, last: bool):
+def _reduce(programs: int, dim: int, layer: int, last: bool, sleep_ns: int):
     """(flagged, epoch, x tile (shared, the layer's input), out, next epoch [1] i32, scratch [128] float32, r) ->
     for the 16 rows r * 16 + j: the layer's output bf16(bf16(sum of the P partials) + x) into ``out``: the last
     layer's as out [8, D] bf16 (rows 1-7 zero; program 0 writes epoch + layers), an earlier layer's as (value,
@@ -245,7 +244,7 @@ def _reduce(programs: int, dim: int, layer: int, last: bool):
             word = arith.addi(arith.muli(program, c(dim)), row)
             sources.append(mgpu.utils.getelementptr(base, [arith.muli(word, c(2))], i32))
         total = arith.constant(f32, 0.0)
-        for ok, bits in zip(valid, _poll(sources, flag)):
+        for ok, bits in zip(valid, _poll(sources, flag, sleep_ns)):
             total = arith.addf(total, arith.select(ok, llvm.bitcast(f32, bits), arith.constant(f32, 0.0)))
         memref.store(total, scratch, [tid_index])
         mgpu.utils.warpgroup_barrier()
@@ -280,7 +279,7 @@ def _reduce(programs: int, dim: int, layer: int, last: bool):
     return reduce
 
 
-def _broadcast(dim: int, layer: int):
+def _broadcast(dim: int, layer: int, sleep_ns: int):
     """(words [D * 2] i32, epoch [1] i32, x tile (shared)) -> row 0 of the x tile = the D values of the words, once
     every flag reads epoch + ``layer`` (thread t polls words t + 128 m); then a warpgroup barrier."""
     mgpu, ir, arith, gpu, llvm, *_ = _ir()
@@ -295,7 +294,7 @@ def _broadcast(dim: int, layer: int):
         base, x_base = mgpu.utils.memref_ptr(words), mgpu.utils.memref_ptr(x_s)
         columns = [arith.addi(tid, c(128 * m)) for m in range(dim // 128)]
         sources = [mgpu.utils.getelementptr(base, [arith.muli(col, c(2))], i32) for col in columns]
-        for col, bits in zip(columns, _poll(sources, flag)):
+        for col, bits in zip(columns, _poll(sources, flag, sleep_ns)):
             value = arith.truncf(bf16, llvm.bitcast(f32, bits))
             llvm.store(value, mgpu.utils.getelementptr(x_base, [_x_element(col, arith, i32)], bf16))
         mgpu.utils.warpgroup_barrier()
@@ -304,7 +303,7 @@ def _broadcast(dim: int, layer: int):
 
 
 def _mlp_kernel(x_g, w13_g, w2_g, epoch_g, out_g, next_g, w13_s, w2_s, x_s, h_s, act_s, red_s, w13_bars, w2_bars, x_bar, *,
-                items: int, programs: int, stages: int, down_stages: int, phases: int):
+                items: int, programs: int, stages: int, down_stages: int, phases: int, poll_sleep: int):
     layers, dim, units = w13_g.shape[0], x_g.shape[1], w2_g.shape[2]
     p = jax.lax.axis_index("programs")
     per_program = -(-items // programs)
@@ -390,22 +389,24 @@ def _mlp_kernel(x_g, w13_g, w2_g, epoch_g, out_g, next_g, w13_s, w2_s, x_s, h_s,
 
         @pl.when(p < dim // OWNED_ROWS)
         def _():
-            _reduce(programs, dim, layer, last)(flagged, epoch_g, x_s, out_g if last else words, next_g, red_s, p)
+            _reduce(programs, dim, layer, last, poll_sleep)(flagged, epoch_g, x_s, out_g if last else words, next_g, red_s, p)
 
         if not last:
-            _broadcast(dim, layer)(words, epoch_g, x_s)
+            _broadcast(dim, layer, poll_sleep)(words, epoch_g, x_s)
             plgpu.commit_smem()
 
 
-@functools.partial(jax.jit, static_argnames=("programs", "stages", "down_stages", "phases"))
-def persistent_mlp(x8, w13, w2, epoch, *, programs: int, stages: int = 2, down_stages: int = 4, phases: int = 3):
+@functools.partial(jax.jit, static_argnames=("programs", "stages", "down_stages", "phases", "poll_sleep"))
+def persistent_mlp(x8, w13, w2, epoch, *, programs: int, stages: int = 2, down_stages: int = 4, phases: int = 3,
+                   poll_sleep: int = 0):
     """x8 bf16 [8, D] (row 0 = x, the rest zero), w13 bf16 [L, items + 1, 2 u, D] and w2 bf16 [L, items + 1, u, D]
     (L layers' ``pack_weights``, u = 16 or 32 units an item), epoch int32 [1] (the calls of this process take
     epochs from 1 up, each the one the call before returned) -> (out [8, D]: row 0 = the L layers
     x + down(SiTU(gate x, up x)) one after another in the step's roundings, rows 1-7 zero; epoch + L, the next
     call's). Layer l's partials and outputs are flagged epoch + l; the weights' copy rings run on from one layer
     into the next. ``phases`` below 3 is a timing probe of one layer: 2 skips the reduction, 1 the down product
-    too, 0 the products too (the gate/up weights' ring alone; the outputs are not written)."""
+    too, 0 the products too (the gate/up weights' ring alone; the outputs are not written). A program polling
+    flagged words it waits for sleeps ``poll_sleep`` ns between rounds (0: spins)."""
     dim, units = x8.shape[1], w2.shape[-2]
     layers, items = w13.shape[0], w13.shape[1] - 1
     if (x8.shape != (X_ROWS, dim) or units not in (16, 32) or w13.shape[2:] != (2 * units, dim)
@@ -429,7 +430,7 @@ def persistent_mlp(x8, w13, w2, epoch, *, programs: int, stages: int = 2, down_s
         plgpu.Barrier(num_arrivals=dim // BK, num_barriers=1),
     ]
     kernel = functools.partial(_mlp_kernel, items=items, programs=programs, stages=stages, down_stages=down_stages,
-                               phases=phases)
+                               phases=phases, poll_sleep=poll_sleep)
     out_type = (jax.ShapeDtypeStruct((X_ROWS, dim), _BF16), jax.ShapeDtypeStruct((1,), jnp.int32))
     return plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch, grid=(programs,),
                         grid_names=("programs",))(x8, w13, w2, epoch)
@@ -460,7 +461,8 @@ def reference(x, layers) -> np.ndarray:
     return x
 
 
-def persistent_chain(packed, programs: int, stages: int, down_stages: int, phases: int = 3, layers: int = 1):
+def persistent_chain(packed, programs: int, stages: int, down_stages: int, phases: int = 3, layers: int = 1,
+                     poll_sleep: int = 0):
     """length -> the jitted chain (x8, epoch) -> (x8 after ``length`` persistent layers, the next epoch), ``layers``
     layers a kernel (``length`` a multiple of it; ``packed``'s weight sets in order, stacked ``layers`` at a time).
     A probe (``phases`` < 3) writes no epoch: it passes its own on, so it must come after every checked chain."""
@@ -475,7 +477,8 @@ def persistent_chain(packed, programs: int, stages: int, down_stages: int, phase
         def chain(x8, epoch):
             for i in range(length // layers):
                 out, next_epoch = persistent_mlp(x8, *stacked[i % len(stacked)], epoch, programs=programs,
-                                                 stages=stages, down_stages=down_stages, phases=phases)
+                                                 stages=stages, down_stages=down_stages, phases=phases,
+                                                 poll_sleep=poll_sleep)
                 x8, epoch = out, (next_epoch if phases == 3 else epoch)  # a probe's out: unwritten, but used
             return x8, epoch
 
@@ -498,24 +501,6 @@ def step_chain(layers):
                     g, u = project(x, [gate, up])
                     x = project(Activated(act, g, u), [down], add=(x,))[0]
             return jnp.zeros_like(x8).at[0].set(x[0]), epoch
-
-        return jax.jit(chain, compiler_options=on_gpu(DECODE_GPU_OPTIONS))
-
-    return functools.lru_cache(make)
-
-
-def read_chain(packed, arrays: int):
-    """length -> the jitted chain (x8, epoch) -> (x8, epoch) whose link reads the first ``arrays`` of a weight set's
-    (w13, w2) as XLA's row sums, each scaled by a value of the link before (so the links run one after another):
-    what an ordinary kernel takes to read a phase's bytes (the link's output is not checked)."""
-    def make(length):
-        def chain(x8, epoch):
-            scale = x8[0, 0].astype(_F32)
-            for i in range(length):
-                for w in packed[i % len(packed)][:arrays]:
-                    sums = jnp.sum(w.reshape(-1, w.shape[-1]).astype(_F32) * scale, axis=1)
-                    scale = sums[0] * 1e-30 + 1.0
-            return x8.at[0, 0].set(scale.astype(_BF16)), epoch
 
         return jax.jit(chain, compiler_options=on_gpu(DECODE_GPU_OPTIONS))
 
@@ -552,14 +537,18 @@ def sweep_forms(spec: str, packed_for, down_stages: int) -> dict:
     return forms
 
 
-def _counts(text: str) -> tuple[int, ...]:
-    try:
-        counts = tuple(int(c) for c in text.split(","))
-    except ValueError:
-        counts = ()
-    if not counts or min(counts) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected positive slot counts, comma-separated, as 2,4")
-    return counts
+def _integers(least: int):
+    """An argparse type: comma-separated integers of at least ``least``, as 2,4."""
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            values = tuple(int(c) for c in text.split(","))
+        except ValueError:
+            values = ()
+        if not values or min(values) < least:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected integers of at least {least}, comma-separated, as 2,4")
+        return values
+
+    return parse
 
 
 def main() -> None:
@@ -567,16 +556,19 @@ def main() -> None:
     ap.add_argument("--links", type=int, default=8, help="layers of the shorter chain (and weight sets)")
     ap.add_argument("--repeat", type=int, default=4, help="the longer chain is the shorter one this many times")
     ap.add_argument("--programs", type=int, default=0, help="programs (default: the SM count)")
-    ap.add_argument("--stages", type=_counts, default=(2, 4), help="gate/up weight slots in flight a program, "
+    ap.add_argument("--stages", type=_integers(1), default=(2, 4), help="gate/up weight slots in flight a program, "
                     "comma-separated (each timed)")
-    ap.add_argument("--down-stages", type=_counts, default=(4,), help="down weight slots in flight a program, "
+    ap.add_argument("--down-stages", type=_integers(1), default=(4,), help="down weight slots in flight a program, "
                     "comma-separated (each timed with each --stages)")
-    ap.add_argument("--layers", type=_counts, default=(1,), help="layers a kernel, comma-separated (each timed with each "
+    ap.add_argument("--layers", type=_integers(1), default=(1,), help="layers a kernel, comma-separated (each timed with each "
                     "slot pair; each divides --links)")
     ap.add_argument("--units", type=int, default=UNITS, choices=(16, 32), help="hidden units an item")
     ap.add_argument("--sweep", default="", help="phase probes to time after the forms: units.stages.programs,"
                     " comma-separated (each as phase 1 alone and as the ring alone)")
+    ap.add_argument("--poll-sleep", type=_integers(0), default=(0,), help="ns a polling program sleeps between rounds, "
+                    "comma-separated (each timed with each form; 0: spins)", metavar="NS")
     ap.add_argument("--sweep-only", action="store_true", help="time the step kernels (the peer) and the sweep alone")
+    ap.add_argument("--no-probes", action="store_true", help="no default probes (the sweep's still run)")
     args = ap.parse_args()
     on_gpu = jax.default_backend() == "gpu"
     programs = args.programs or getattr(jax.devices()[0], "core_count", 132)
@@ -603,13 +595,13 @@ def main() -> None:
     x8 = jnp.zeros((X_ROWS, DIM), _BF16).at[0].set(x_row)
     expected = {1: reference(x_row, layers[:1]), short: reference(x_row, layers)}
     stages, down_stages = args.stages[0], args.down_stages[0]
-    forms = {"step kernels": (step_chain(layers), LAYER_BYTES),
-             "probe: XLA row sums of w13 (phase 1's bytes)": (read_chain(packed, 1), GATE_UP_BYTES),
-             "probe: XLA row sums of w13, then w2 (the layer's bytes)": (read_chain(packed, 2), LAYER_BYTES)}
+    forms = {"step kernels": (step_chain(layers), LAYER_BYTES)}
     if not args.sweep_only:
-        for s, d, n in itertools.product(args.stages, args.down_stages, args.layers):
-            name = f"persistent, {s} + {d} slots" + (f", {n} layers a kernel" if n > 1 else "")
-            forms[name] = (persistent_chain(packed, programs, s, d, layers=n), LAYER_BYTES)
+        for s, d, n, sleep in itertools.product(args.stages, args.down_stages, args.layers, args.poll_sleep):
+            name = (f"persistent, {s} + {d} slots" + (f", {n} layers a kernel" if n > 1 else "")
+                    + (f", polls {sleep} ns apart" if sleep else ""))
+            forms[name] = (persistent_chain(packed, programs, s, d, layers=n, poll_sleep=sleep), LAYER_BYTES)
+    if not (args.sweep_only or args.no_probes):
         forms["probe: no reduction"] = (persistent_chain(packed, programs, stages, down_stages, 2), LAYER_BYTES)
         forms.update(sweep_forms(f"{args.units}.{stages}.{programs}", packed_for, down_stages))
     forms.update(sweep_forms(args.sweep, packed_for, down_stages))  # probes last: they write no epoch
