@@ -316,13 +316,18 @@ def _broadcast(dim: int, sleep_ns: int):
     return broadcast
 
 
+def _copies(items: int, programs: int, dim: int) -> tuple[int, int, int]:
+    """A program's items and its gate/up and down weight copies a layer."""
+    per_program = -(-items // programs)
+    return per_program, per_program * (dim // BK), per_program * (dim // DOWN_ROWS)
+
+
 def _mlp_kernel(x_g, w13_g, w2_g, epoch_g, out_g, next_g, w13_s, w2_s, x_s, h_s, act_s, red_s, w13_bars, w2_bars, x_bar, *,
                 items: int, programs: int, stages: int, down_stages: int, phases: int, poll_sleep: int, loop: bool):
     layers, dim, units = w13_g.shape[0], x_g.shape[1], w2_g.shape[2]
     p = jax.lax.axis_index("programs")
-    per_program = -(-items // programs)
     steps, blocks = dim // BK, dim // DOWN_ROWS
-    layer_ups, layer_downs = per_program * steps, blocks * per_program  # a layer's gate/up and down copies
+    per_program, layer_ups, layer_downs = _copies(items, programs, dim)
     flagged = pl.get_global(plgpu.SemaphoreType.REGULAR((programs * dim * 2,)))
     words = pl.get_global(plgpu.SemaphoreType.REGULAR((dim * 2,)))  # a layer's output, every program's next input
 
@@ -353,8 +358,8 @@ def _mlp_kernel(x_g, w13_g, w2_g, epoch_g, out_g, next_g, w13_s, w2_s, x_s, h_s,
     reduce, broadcast = _reduce(programs, dim, layers, poll_sleep), _broadcast(dim, poll_sleep)
 
     def run_layer(layer):  # a Python int (unrolled) or a traced index (a loop, whose slots repeat layer by layer)
-        up_base = layer * layer_ups if isinstance(layer, int) else 0
-        down_base = layer * layer_downs if isinstance(layer, int) else 0
+        slots_from = layer if isinstance(layer, int) else 0  # a layer whose slots start where layer 0's do
+        up_base, down_base = slots_from * layer_ups, slots_from * layer_downs
 
         def refill(t):  # the layer's t-th tile is read: its slot's next tile
             slot = (up_base + t) % stages
@@ -437,11 +442,11 @@ def persistent_mlp(x8, w13, w2, epoch, *, programs: int, stages: int = 2, down_s
         raise ValueError(f"x8 {x8.shape}, w13 {w13.shape}, w2 {w2.shape}, phases {phases}: expected x8 [{X_ROWS}, D], "
                          f"w13 [L, items + 1, 2 u, D], w2 [L, items + 1, u, D] with u 16 or 32, D a multiple of "
                          f"{DOWN_ROWS}, D / {OWNED_ROWS} <= programs = {programs}, one layer for a probe")
-    per_program = -(-items // programs)
-    if loop and (per_program * (dim // BK) % stages or per_program * (dim // DOWN_ROWS) % down_stages):
-        raise ValueError(f"a layer loop needs slots that repeat layer by layer: a layer's {per_program * (dim // BK)} "
-                         f"gate/up and {per_program * (dim // DOWN_ROWS)} down copies a program, not multiples of "
-                         f"stages = {stages} and down_stages = {down_stages}")
+    per_program, layer_ups, layer_downs = _copies(items, programs, dim)
+    if loop and (layer_ups % stages or layer_downs % down_stages):
+        raise ValueError(f"a layer loop needs slots that repeat layer by layer: a layer's {layer_ups} gate/up and "
+                         f"{layer_downs} down copies a program, not multiples of stages = {stages} and "
+                         f"down_stages = {down_stages}")
     sms = getattr(jax.devices()[0], "core_count", programs)
     if programs > sms:  # the reducing programs wait for every program: all must be resident at once
         raise ValueError(f"programs = {programs} is more than the {sms} SMs (the reduction would wait forever)")
