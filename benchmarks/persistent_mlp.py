@@ -45,10 +45,10 @@ costs about 1 us, and it is slower than the step's kernels (36.8 against 30.3 us
 for the wgmma before the last (refilling a slot a step later) was slower at every slot count and was removed.
 
 ``--layers L,...``: L layers a kernel (each layer's output broadcast to every program as flagged words, the copy
-rings running on into the next layer), unrolled, and with ``--loop`` also as a loop of one layer's code;
-``--poll-sleep NS,...``: a nanosleep between poll rounds. On an H100 (fortieth session) 4 layers a kernel took
-54-55 us a layer against 36 at one a kernel, with or without the sleep; as a loop (forty-first session) 68 us with
-16-unit items and 50 against 46 unrolled with 32-unit items: smaller code, slower, so code size is not the cause.
+rings running on into the next layer), unrolled; ``--poll-sleep NS,...``: a nanosleep between poll rounds. On an
+H100 (fortieth session) 4 layers a kernel took 54-55 us a layer against 36 at one a kernel, with or without the
+sleep. The layers as a loop of one layer's code were slower still (68 us; 50 against 46 with 32-unit items,
+forty-first session), so code size is not the cause; the loop was removed.
 
 Each form is checked against float32 layers with the same bf16 roundings before timing (one layer within 2e-3;
 the chain of L within 1e-1, as the random bf16 chain amplifies rounding from layer to layer), and the floor is
@@ -56,7 +56,7 @@ the layer's bytes at the copy rate measured in the same run (``inference.ceiling
 interpret mode); on a CPU it lowers the kernel for CUDA and stops.
 
     python3 benchmarks/persistent_mlp.py [--links 8] [--repeat 4] [--programs 132] [--stages 2,4] [--down-stages 4]
-                                         [--units 16] [--layers 1,4] [--loop] [--poll-sleep 0,200]
+                                         [--units 16] [--layers 1,4] [--poll-sleep 0,200]
                                          [--sweep 16.4.88,32.2.88] [--sweep-only] [--no-probes]
 """
 
@@ -142,18 +142,17 @@ def _activate(units: int):
     return activate
 
 
-def _publish():
-    """(acc [256, 8] float32 in the WGMMA layout, flagged [P * D * 2] i32, epoch [1] i32, first word, layer) ->
-    column 0's 256 values as (value, epoch + layer) 64-bit words at flagged[2 (first + row)], one store each."""
+def _publish(layer: int):
+    """(acc [256, 8] float32 in the WGMMA layout, flagged [P * D * 2] i32, epoch [1] i32, first word) -> column
+    0's 256 values as (value, epoch + ``layer``) 64-bit words at flagged[2 (first + row)], one store each."""
     mgpu, ir, arith, _, llvm, *_ = _ir()
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), plgpu.RefType(), plgpu.Layout.WG_SPLAT,
-                                  plgpu.Layout.WG_SPLAT))
-    def publish(ctx, acc, flagged, epoch_ref, first, layer):
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), plgpu.RefType(), plgpu.Layout.WG_SPLAT))
+    def publish(ctx, acc, flagged, epoch_ref, first):
         del ctx
         i32 = ir.IntegerType.get_signless(32)
         c = lambda v: arith.constant(i32, v)
-        flag = arith.addi(llvm.load(i32, mgpu.utils.memref_ptr(epoch_ref)), splat_i32(layer))
+        flag = arith.addi(llvm.load(i32, mgpu.utils.memref_ptr(epoch_ref)), c(layer))
         first = splat_i32(first)
         base = mgpu.utils.memref_ptr(flagged)
         for reg, (row, col) in zip(acc.registers.flat, acc.layout.thread_idxs(acc.shape)):
@@ -218,27 +217,26 @@ def _x_element(column, arith, i32):
                       arith.remui(column, arith.constant(i32, 64)))
 
 
-def _reduce(programs: int, dim: int, layers: int, sleep_ns: int):
-    """(flagged, epoch, x tile (shared, the layer's input), out, words, next epoch [1] i32, scratch [128] float32,
-    r, layer) -> for the 16 rows r * 16 + j: the layer's output bf16(bf16(sum of the P partials) + x): the last
-    layer's (of ``layers``) into out [8, D] bf16 (rows 1-7 zero; program 0 writes epoch + layers), an earlier
-    layer's as (value, epoch + layer) words into words [D * 2] i32 for every program's next input. Thread t reads
-    row t % 16 of the partials t // 16 + 8 m (flags epoch + layer) and sums them in m's order; threads 0-15 then
-    sum the 8 thread groups in order."""
+def _reduce(programs: int, dim: int, layer: int, last: bool, sleep_ns: int):
+    """(flagged, epoch, x tile (shared, the layer's input), out, next epoch [1] i32, scratch [128] float32, r) ->
+    for the 16 rows r * 16 + j: the layer's output bf16(bf16(sum of the P partials) + x) into ``out``: the last
+    layer's as out [8, D] bf16 (rows 1-7 zero; program 0 writes epoch + layers), an earlier layer's as (value,
+    epoch + ``layer``) words into out [D * 2] i32 for every program's next input. Thread t reads row t % 16 of the
+    partials t // 16 + 8 m (flags epoch + ``layer``) and sums them in m's order; threads 0-15 then sum the 8 thread
+    groups in order."""
     mgpu, ir, arith, gpu, llvm, _, memref, scf = _ir()
     groups = 128 // OWNED_ROWS
     per_thread = -(-programs // groups)
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 2 + (plgpu.RefType(swizzled(BK)),) + (plgpu.RefType(),) * 4
-                       + (plgpu.Layout.WG_SPLAT,) * 2)
-    def reduce(ctx, flagged, epoch_ref, x_s, out_ref, words, next_ref, scratch, owner, layer):
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 2 + (plgpu.RefType(swizzled(BK)),) + (plgpu.RefType(),) * 3
+                       + (plgpu.Layout.WG_SPLAT,))
+    def reduce(ctx, flagged, epoch_ref, x_s, out_ref, next_ref, scratch, owner):
         del ctx
         i32, f32, bf16, index = (ir.IntegerType.get_signless(32), ir.F32Type.get(), ir.BF16Type.get(),
                                  ir.IndexType.get())
         c = lambda v: arith.constant(i32, v)
-        epoch, layer = llvm.load(i32, mgpu.utils.memref_ptr(epoch_ref)), splat_i32(layer)
-        flag = arith.addi(epoch, layer)
-        last = arith.cmpi(arith.CmpIPredicate.eq, layer, c(layers - 1))
+        epoch = llvm.load(i32, mgpu.utils.memref_ptr(epoch_ref))
+        flag = arith.addi(epoch, c(layer))
         tid_index = gpu.thread_id(gpu.Dimension.x)
         tid = arith.index_cast(i32, tid_index)
         lane_row, group = arith.remui(tid, c(OWNED_ROWS)), arith.divui(tid, c(OWNED_ROWS))
@@ -266,45 +264,39 @@ def _reduce(programs: int, dim: int, layers: int, sleep_ns: int):
             residual = arith.extf(f32, llvm.load(bf16, mgpu.utils.getelementptr(x_base, [_x_element(row, arith, i32)], bf16)))
             down = arith.extf(f32, arith.truncf(bf16, total))
             value = arith.truncf(bf16, arith.addf(down, residual))
-            output = scf.IfOp(last, has_else=True)
-            with ir.InsertionPoint(output.then_block):
+            if last:
                 llvm.store(value, mgpu.utils.getelementptr(out_base, [row], bf16))
-                scf.yield_([])
-            with ir.InsertionPoint(output.else_block):
+            else:
                 bits = llvm.bitcast(i32, arith.extf(f32, value))
-                word = mgpu.utils.getelementptr(mgpu.utils.memref_ptr(words), [arith.muli(row, c(2))], i32)
-                _store_word(word, bits, flag)
-                scf.yield_([])
+                _store_word(mgpu.utils.getelementptr(out_base, [arith.muli(row, c(2))], i32), bits, flag)
             scf.yield_([])
-        finish = scf.IfOp(last)
-        with ir.InsertionPoint(finish.then_block):
-            zero_rows = scf.IfOp(arith.cmpi(arith.CmpIPredicate.ult, tid, c(OWNED_ROWS * (X_ROWS - 1))))
-            with ir.InsertionPoint(zero_rows.then_block):
-                element = arith.addi(arith.muli(arith.addi(group, c(1)), c(dim)), row)
-                llvm.store(arith.constant(bf16, 0.0), mgpu.utils.getelementptr(out_base, [element], bf16))
-                scf.yield_([])
-            first = arith.andi(arith.cmpi(arith.CmpIPredicate.eq, owner, c(0)),
-                               arith.cmpi(arith.CmpIPredicate.eq, tid, c(0)))
-            bump = scf.IfOp(first)
-            with ir.InsertionPoint(bump.then_block):
-                llvm.store(arith.addi(epoch, c(layers)), mgpu.utils.memref_ptr(next_ref))
-                scf.yield_([])
+        if not last:
+            return
+        zero_rows = scf.IfOp(arith.cmpi(arith.CmpIPredicate.ult, tid, c(OWNED_ROWS * (X_ROWS - 1))))
+        with ir.InsertionPoint(zero_rows.then_block):
+            element = arith.addi(arith.muli(arith.addi(group, c(1)), c(dim)), row)
+            llvm.store(arith.constant(bf16, 0.0), mgpu.utils.getelementptr(out_base, [element], bf16))
+            scf.yield_([])
+        first = arith.andi(arith.cmpi(arith.CmpIPredicate.eq, owner, c(0)), arith.cmpi(arith.CmpIPredicate.eq, tid, c(0)))
+        bump = scf.IfOp(first)
+        with ir.InsertionPoint(bump.then_block):
+            llvm.store(arith.addi(epoch, c(layer + 1)), mgpu.utils.memref_ptr(next_ref))
             scf.yield_([])
 
     return reduce
 
 
-def _broadcast(dim: int, sleep_ns: int):
-    """(words [D * 2] i32, epoch [1] i32, x tile (shared), layer) -> row 0 of the x tile = the D values of the
-    words, once every flag reads epoch + layer (thread t polls words t + 128 m); then a warpgroup barrier."""
+def _broadcast(dim: int, layer: int, sleep_ns: int):
+    """(words [D * 2] i32, epoch [1] i32, x tile (shared)) -> row 0 of the x tile = the D values of the words, once
+    every flag reads epoch + ``layer`` (thread t polls words t + 128 m); then a warpgroup barrier."""
     mgpu, ir, arith, gpu, llvm, *_ = _ir()
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(swizzled(BK)), plgpu.Layout.WG_SPLAT))
-    def broadcast(ctx, words, epoch_ref, x_s, layer):
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(swizzled(BK))))
+    def broadcast(ctx, words, epoch_ref, x_s):
         del ctx
         i32, f32, bf16 = ir.IntegerType.get_signless(32), ir.F32Type.get(), ir.BF16Type.get()
         c = lambda v: arith.constant(i32, v)
-        flag = arith.addi(llvm.load(i32, mgpu.utils.memref_ptr(epoch_ref)), splat_i32(layer))
+        flag = arith.addi(llvm.load(i32, mgpu.utils.memref_ptr(epoch_ref)), c(layer))
         tid = arith.index_cast(i32, gpu.thread_id(gpu.Dimension.x))
         base, x_base = mgpu.utils.memref_ptr(words), mgpu.utils.memref_ptr(x_s)
         columns = [arith.addi(tid, c(128 * m)) for m in range(dim // 128)]
@@ -317,69 +309,61 @@ def _broadcast(dim: int, sleep_ns: int):
     return broadcast
 
 
-def _copies(items: int, programs: int, dim: int) -> tuple[int, int, int]:
-    """A program's items and its gate/up and down weight copies a layer."""
-    per_program = -(-items // programs)
-    return per_program, per_program * (dim // BK), per_program * (dim // DOWN_ROWS)
-
-
 def _mlp_kernel(x_g, w13_g, w2_g, epoch_g, out_g, next_g, w13_s, w2_s, x_s, h_s, act_s, red_s, w13_bars, w2_bars, x_bar, *,
-                items: int, programs: int, stages: int, down_stages: int, phases: int, poll_sleep: int, loop: bool):
+                items: int, programs: int, stages: int, down_stages: int, phases: int, poll_sleep: int):
     layers, dim, units = w13_g.shape[0], x_g.shape[1], w2_g.shape[2]
     p = jax.lax.axis_index("programs")
+    per_program = -(-items // programs)
     steps, blocks = dim // BK, dim // DOWN_ROWS
-    per_program, layer_ups, layer_downs = _copies(items, programs, dim)
+    up_total, down_total = layers * per_program * steps, layers * blocks * per_program
     flagged = pl.get_global(plgpu.SemaphoreType.REGULAR((programs * dim * 2,)))
     words = pl.get_global(plgpu.SemaphoreType.REGULAR((dim * 2,)))  # a layer's output, every program's next input
 
     def item(j):  # past the last item: the zero item
         return jnp.minimum(p + j * programs, items)
 
-    def in_kernel(layer, t, per_layer):  # whether a layer's t-th copy (from per_layer on: the next layer's) is one
-        return True if t < per_layer else layer + t // per_layer < layers
-
-    def fetch_up(layer, t, slot):  # the ring runs on across layers: a layer's last slots fetch the next one's first tiles
-        j, step = divmod(t % layer_ups, steps)
-        plgpu.copy_gmem_to_smem(w13_g.at[layer + t // layer_ups, item(j), :, pl.ds(step * BK, BK)],
+    def fetch_up(t):  # the ring runs on across layers: a layer's last slots fetch the next one's first tiles
+        layer, rest = divmod(t, per_program * steps)
+        j, step = divmod(rest, steps)
+        slot = t % stages
+        plgpu.copy_gmem_to_smem(w13_g.at[layer, item(j), :, pl.ds(step * BK, BK)],
                                 w13_s.at[pl.ds(slot * 2 * units, 2 * units)], w13_bars.at[slot])
 
-    def fetch_down(layer, s, slot):
-        block, j = divmod(s % layer_downs, per_program)
-        plgpu.copy_gmem_to_smem(w2_g.at[layer + s // layer_downs, item(j), :, pl.ds(block * DOWN_ROWS, DOWN_ROWS)],
-                                w2_s.at[slot], w2_bars.at[slot])
+    def fetch_down(s):
+        layer, rest = divmod(s, blocks * per_program)
+        block, j = divmod(rest, per_program)
+        slot = s % down_stages
+        plgpu.copy_gmem_to_smem(w2_g.at[layer, item(j), :, pl.ds(block * DOWN_ROWS, DOWN_ROWS)], w2_s.at[slot],
+                                w2_bars.at[slot])
 
     for step in range(steps):
         plgpu.copy_gmem_to_smem(x_g.at[:, pl.ds(step * BK, BK)], x_s.at[step], x_bar.at[0])
-    for t in range(min(stages, layers * layer_ups)):
-        fetch_up(0, t, t % stages)
-    for s in range(min(down_stages, layers * layer_downs) if phases > 1 else 0):
-        fetch_down(0, s, s % down_stages)
+    for t in range(min(stages, up_total)):
+        fetch_up(t)
+    for s in range(min(down_stages, down_total) if phases > 1 else 0):
+        fetch_down(s)
     plgpu.barrier_wait(x_bar.at[0])
-    activate, publish = _activate(units), _publish()
-    reduce, broadcast = _reduce(programs, dim, layers, poll_sleep), _broadcast(dim, poll_sleep)
 
-    def run_layer(layer):  # a Python int (unrolled) or a traced index (a loop, whose slots repeat layer by layer)
-        slots_from = layer if isinstance(layer, int) else 0  # a layer whose slots start where layer 0's do
-        up_base, down_base = slots_from * layer_ups, slots_from * layer_downs
+    def refill(t):  # slot t's weights are read: its next tile
+        if t + stages < up_total:
+            fetch_up(t + stages)
 
-        def refill(t):  # the layer's t-th tile is read: its slot's next tile
-            slot = (up_base + t) % stages
-            pl.when(in_kernel(layer, t + stages, layer_ups))(lambda: fetch_up(layer, t + stages, slot))
-
+    activate = _activate(units)
+    for layer in range(layers):
         for j in range(per_program):
+            first_t = (layer * per_program + j) * steps
             if phases == 0:  # the ring alone
-                for t in range(j * steps, (j + 1) * steps):
-                    plgpu.barrier_wait(w13_bars.at[(up_base + t) % stages])
+                for t in range(first_t, first_t + steps):
+                    plgpu.barrier_wait(w13_bars.at[t % stages])
                     refill(t)
                 continue
 
-            def gate_up(acc_ref, j=j):
+            def gate_up(acc_ref, first_t=first_t):
                 for step in range(steps):
-                    t = j * steps + step
-                    slot = (up_base + t) % stages
-                    plgpu.barrier_wait(w13_bars.at[slot])
+                    t = first_t + step
+                    plgpu.barrier_wait(w13_bars.at[t % stages])
                     # 64 rows from the slot: its 2 u and the next slot's (or the spare's), whose sums are not used
-                    plgpu.wgmma(acc_ref, w13_s.at[pl.ds(slot * 2 * units, ROWS)], x_s.at[step].transpose((1, 0)))
+                    plgpu.wgmma(acc_ref, w13_s.at[pl.ds(t % stages * 2 * units, ROWS)], x_s.at[step].transpose((1, 0)))
                     plgpu.wgmma_wait(0)
                     refill(t)
                 return acc_ref[...]
@@ -390,41 +374,38 @@ def _mlp_kernel(x_g, w13_g, w2_g, epoch_g, out_g, next_g, w13_s, w2_s, x_s, h_s,
         if phases < 2:
             return
 
+        publish = _publish(layer)
         for block in range(blocks):
             def down(acc_ref, block=block):
                 for j in range(per_program):
-                    s = block * per_program + j
-                    slot = (down_base + s) % down_stages
+                    s = (layer * blocks + block) * per_program + j
+                    slot = s % down_stages
                     plgpu.barrier_wait(w2_bars.at[slot])
                     plgpu.wgmma(acc_ref, w2_s.at[slot].transpose((1, 0)), h_s.at[j].transpose((1, 0)))
                     plgpu.wgmma_wait(0)
-                    pl.when(in_kernel(layer, s + down_stages, layer_downs))(
-                        lambda: fetch_down(layer, s + down_stages, slot))
+                    if s + down_stages < down_total:
+                        fetch_down(s + down_stages)
                 return acc_ref[...]
 
             acc = pl.run_scoped(down, plgpu.ACC((DOWN_ROWS, X_ROWS), _F32))
-            publish(acc, flagged, epoch_g, p * dim + block * DOWN_ROWS, jnp.int32(layer))
+            publish(acc, flagged, epoch_g, p * dim + block * DOWN_ROWS)
         if phases < 3:
             return
 
-        pl.when(p < dim // OWNED_ROWS)(
-            lambda: reduce(flagged, epoch_g, x_s, out_g, words, next_g, red_s, p, jnp.int32(layer)))
+        last = layer == layers - 1
 
-        @pl.when(layer < layers - 1)
+        @pl.when(p < dim // OWNED_ROWS)
         def _():
-            broadcast(words, epoch_g, x_s, jnp.int32(layer))
+            _reduce(programs, dim, layer, last, poll_sleep)(flagged, epoch_g, x_s, out_g if last else words, next_g, red_s, p)
+
+        if not last:
+            _broadcast(dim, layer, poll_sleep)(words, epoch_g, x_s)
             plgpu.commit_smem()
 
-    if loop:
-        pl.loop(0, layers)(run_layer)
-    else:
-        for layer in range(layers):
-            run_layer(layer)
 
-
-@functools.partial(jax.jit, static_argnames=("programs", "stages", "down_stages", "phases", "poll_sleep", "loop"))
+@functools.partial(jax.jit, static_argnames=("programs", "stages", "down_stages", "phases", "poll_sleep"))
 def persistent_mlp(x8, w13, w2, epoch, *, programs: int, stages: int = 2, down_stages: int = 4, phases: int = 3,
-                   poll_sleep: int = 0, loop: bool = False):
+                   poll_sleep: int = 0):
     """x8 bf16 [8, D] (row 0 = x, the rest zero), w13 bf16 [L, items + 1, 2 u, D] and w2 bf16 [L, items + 1, u, D]
     (L layers' ``pack_weights``, u = 16 or 32 units an item), epoch int32 [1] (the calls of this process take
     epochs from 1 up, each the one the call before returned) -> (out [8, D]: row 0 = the L layers
@@ -432,9 +413,7 @@ def persistent_mlp(x8, w13, w2, epoch, *, programs: int, stages: int = 2, down_s
     call's). Layer l's partials and outputs are flagged epoch + l; the weights' copy rings run on from one layer
     into the next. ``phases`` below 3 is a timing probe of one layer: 2 skips the reduction, 1 the down product
     too, 0 the products too (the gate/up weights' ring alone; the outputs are not written). A program polling
-    flagged words it waits for sleeps ``poll_sleep`` ns between rounds (0: spins). ``loop``: the layers in a loop
-    (one layer's code; each layer's gate/up and down copies a multiple of ``stages`` and ``down_stages``, so that
-    the slots repeat layer by layer), else unrolled."""
+    flagged words it waits for sleeps ``poll_sleep`` ns between rounds (0: spins)."""
     dim, units = x8.shape[1], w2.shape[-2]
     layers, items = w13.shape[0], w13.shape[1] - 1
     if (x8.shape != (X_ROWS, dim) or units not in (16, 32) or w13.shape[2:] != (2 * units, dim)
@@ -443,11 +422,6 @@ def persistent_mlp(x8, w13, w2, epoch, *, programs: int, stages: int = 2, down_s
         raise ValueError(f"x8 {x8.shape}, w13 {w13.shape}, w2 {w2.shape}, phases {phases}: expected x8 [{X_ROWS}, D], "
                          f"w13 [L, items + 1, 2 u, D], w2 [L, items + 1, u, D] with u 16 or 32, D a multiple of "
                          f"{DOWN_ROWS}, D / {OWNED_ROWS} <= programs = {programs}, one layer for a probe")
-    per_program, layer_ups, layer_downs = _copies(items, programs, dim)
-    if loop and (layer_ups % stages or layer_downs % down_stages):
-        raise ValueError(f"a layer loop needs slots that repeat layer by layer: a layer's {layer_ups} gate/up and "
-                         f"{layer_downs} down copies a program, not multiples of stages = {stages} and "
-                         f"down_stages = {down_stages}")
     sms = getattr(jax.devices()[0], "core_count", programs)
     if programs > sms:  # the reducing programs wait for every program: all must be resident at once
         raise ValueError(f"programs = {programs} is more than the {sms} SMs (the reduction would wait forever)")
@@ -455,7 +429,7 @@ def persistent_mlp(x8, w13, w2, epoch, *, programs: int, stages: int = 2, down_s
         plgpu.SMEM(((stages - 1) * 2 * units + ROWS, BK), _BF16, transforms=swizzled(BK)),  # the last slot's 64 rows
         plgpu.SMEM((down_stages, units, DOWN_ROWS), _BF16, transforms=swizzled(units)),  # h's swizzle, as wgmma asks
         plgpu.SMEM((dim // BK, X_ROWS, BK), _BF16, transforms=swizzled(BK)),
-        plgpu.SMEM((per_program, X_ROWS, units), _BF16, transforms=swizzled(units)),
+        plgpu.SMEM((-(-items // programs), X_ROWS, units), _BF16, transforms=swizzled(units)),
         plgpu.SMEM((ROWS, X_ROWS), _F32),
         plgpu.SMEM((128,), _F32),
         plgpu.Barrier(num_arrivals=1, num_barriers=stages),
@@ -463,7 +437,7 @@ def persistent_mlp(x8, w13, w2, epoch, *, programs: int, stages: int = 2, down_s
         plgpu.Barrier(num_arrivals=dim // BK, num_barriers=1),
     ]
     kernel = functools.partial(_mlp_kernel, items=items, programs=programs, stages=stages, down_stages=down_stages,
-                               phases=phases, poll_sleep=poll_sleep, loop=loop)
+                               phases=phases, poll_sleep=poll_sleep)
     out_type = (jax.ShapeDtypeStruct((X_ROWS, dim), _BF16), jax.ShapeDtypeStruct((1,), jnp.int32))
     return plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch, grid=(programs,),
                         grid_names=("programs",))(x8, w13, w2, epoch)
@@ -495,10 +469,9 @@ def reference(x, layers) -> np.ndarray:
 
 
 def persistent_chain(packed, programs: int, stages: int, down_stages: int, phases: int = 3, layers: int = 1,
-                     poll_sleep: int = 0, loop: bool = False):
+                     poll_sleep: int = 0):
     """length -> the jitted chain (x8, epoch) -> (x8 after ``length`` persistent layers, the next epoch), ``layers``
-    layers a kernel (``length`` a multiple of it; ``packed``'s weight sets in order, stacked ``layers`` at a time;
-    ``loop``: in a loop, as ``persistent_mlp``'s).
+    layers a kernel (``length`` a multiple of it; ``packed``'s weight sets in order, stacked ``layers`` at a time).
     A probe (``phases`` < 3) writes no epoch: it passes its own on, so it must come after every checked chain."""
     if len(packed) % layers:
         raise ValueError(f"{len(packed)} weight sets do not stack {layers} at a time")
@@ -512,7 +485,7 @@ def persistent_chain(packed, programs: int, stages: int, down_stages: int, phase
             for i in range(length // layers):
                 out, next_epoch = persistent_mlp(x8, *stacked[i % len(stacked)], epoch, programs=programs,
                                                  stages=stages, down_stages=down_stages, phases=phases,
-                                                 poll_sleep=poll_sleep, loop=loop)
+                                                 poll_sleep=poll_sleep)
                 x8, epoch = out, (next_epoch if phases == 3 else epoch)  # a probe's out: unwritten, but used
             return x8, epoch
 
@@ -601,8 +574,6 @@ def main() -> None:
                     " comma-separated (each as phase 1 alone and as the ring alone)")
     ap.add_argument("--poll-sleep", type=_integers(0), default=(0,), help="ns a polling program sleeps between rounds, "
                     "comma-separated (each timed with each form; 0: spins)", metavar="NS")
-    ap.add_argument("--loop", action="store_true", help="each kernel of several layers unrolled and as a loop of one "
-                    "layer's code")
     ap.add_argument("--sweep-only", action="store_true", help="time the step kernels (the peer) and the sweep alone")
     ap.add_argument("--no-probes", action="store_true", help="no default probes (the sweep's still run)")
     args = ap.parse_args()
@@ -614,7 +585,7 @@ def main() -> None:
         shapes = [((X_ROWS, DIM), _BF16), ((layers, items + 1, 2 * args.units, DIM), _BF16),
                   ((layers, items + 1, args.units, DIM), _BF16), ((1,), jnp.int32)]
         fn = functools.partial(persistent_mlp, programs=programs, stages=args.stages[0],
-                               down_stages=args.down_stages[0], loop=args.loop and layers > 1)
+                               down_stages=args.down_stages[0])
         text = jax.jit(fn).trace(*(jax.ShapeDtypeStruct(s, d) for s, d in shapes)).lower(
             lowering_platforms=("cuda",)).as_text()
         print(f"no GPU: the kernel of {layers} layers lowers for CUDA ({len(text)} characters of StableHLO); "
@@ -633,13 +604,10 @@ def main() -> None:
     stages, down_stages = args.stages[0], args.down_stages[0]
     forms = {"step kernels": (step_chain(layers), LAYER_BYTES)}
     if not args.sweep_only:
-        loops = (False, True) if args.loop else (False,)
-        for s, d, n, sleep, loop in itertools.product(args.stages, args.down_stages, args.layers, args.poll_sleep, loops):
-            if loop and n == 1:
-                continue
+        for s, d, n, sleep in itertools.product(args.stages, args.down_stages, args.layers, args.poll_sleep):
             name = (f"persistent, {s} + {d} slots" + (f", {n} layers a kernel" if n > 1 else "")
-                    + (" in a loop" if loop else "") + (f", polls {sleep} ns apart" if sleep else ""))
-            forms[name] = (persistent_chain(packed, programs, s, d, layers=n, poll_sleep=sleep, loop=loop), LAYER_BYTES)
+                    + (f", polls {sleep} ns apart" if sleep else ""))
+            forms[name] = (persistent_chain(packed, programs, s, d, layers=n, poll_sleep=sleep), LAYER_BYTES)
     if not (args.sweep_only or args.no_probes):
         forms["probe: no reduction"] = (persistent_chain(packed, programs, stages, down_stages, 2), LAYER_BYTES)
         forms.update(sweep_forms(f"{args.units}.{stages}.{programs}", packed_for, down_stages))
