@@ -313,7 +313,7 @@ def _mlp_kernel(x_g, w13_g, w2_g, epoch_g, out_g, next_g, w13_s, w2_s, x_s, h_s,
                 items: int, programs: int, stages: int, down_stages: int, phases: int, poll_sleep: int):
     layers, dim, units = w13_g.shape[0], x_g.shape[1], w2_g.shape[2]
     p = jax.lax.axis_index("programs")
-    per_program = -(-items // programs)
+    per_program = h_s.shape[0]  # a program's items, one h slot each (``persistent_mlp``'s scratch)
     steps, blocks = dim // BK, dim // DOWN_ROWS
     up_total, down_total = layers * per_program * steps, layers * blocks * per_program
     flagged = pl.get_global(plgpu.SemaphoreType.REGULAR((programs * dim * 2,)))
