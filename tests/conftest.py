@@ -1,50 +1,8 @@
-"""Shared fixtures: one model per small preset, built and jitted once per test session."""
+"""Shared fixtures: one model per small preset, built and jitted once per test run (``small_models``)."""
 
-from dataclasses import dataclass
-
-import jax
 import pytest
-from flax import nnx
 
-from k3jax.model import K3Model
-from k3jax.presets import preset
-
-
-@dataclass
-class Built:
-    model: K3Model
-    params: object
-    forward: object  # jitted (params, tokens) -> logits
-
-    @property
-    def cfg(self):
-        return self.model.cfg
-
-
-_BUILT: dict[str, Built] = {}
-
-
-def randomize_zero_params(model: K3Model, seed: int = 7) -> None:
-    """Give zero-initialized parameters (AttnRes queries, router correction bias) random values, so
-    tests exercise them: a zero query would make every mix a plain average."""
-    graph, params = nnx.split(model)
-    leaves, treedef = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    leaves = [
-        0.5 * jax.random.normal(k, x.shape, x.dtype) if x.dtype.kind == "f" and not x.any() else x
-        for k, x in zip(keys, leaves)
-    ]
-    nnx.update(model, jax.tree.unflatten(treedef, leaves))
-
-
-def build(name: str) -> Built:
-    if name not in _BUILT:
-        model = K3Model(preset(name), rngs=nnx.Rngs(0))
-        randomize_zero_params(model)
-        graph, params = nnx.split(model)
-        forward = jax.jit(lambda p, t: nnx.merge(graph, p)(t))
-        _BUILT[name] = Built(model, params, forward)
-    return _BUILT[name]
+from small_models import Built, build
 
 
 @pytest.fixture(scope="session", params=["tiny", "tiny_linear"])

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import build
+from small_models import build
 from k3jax.implementation import use_implementation
 from k3jax.layers import basic
 from k3jax.inference import DECODE_GPU_OPTIONS, DETERMINISTIC_GPU_OPTIONS, PREFILL_GPU_OPTIONS, Generator, on_gpu
