@@ -13,9 +13,9 @@ their durations summed 0.94 ms against the 0.86 ms step in its command buffer, t
                                           (default mini, every variant, batch 1; tiny runs on a CPU)
 
 Each switch turns one change off (module attributes read while a step is traced):
-- short convs by XLA: ``k3jax.layers.kda._short_convs`` set to its XLA form (not ``pallas_kernels.short_conv``);
+- short convs by XLA: ``k3jax.layers.kda._short_convs`` set to its XLA form (not ``pallas_kernels.kda.triton_short_conv``);
 - block store by select: ``k3jax.model._store_block`` given a traced commit even where the layer index is known;
-- latents by XLA: ``MLA._write`` set to ``MLA._write_xla`` (not ``pallas_kernels.latent_cache``);
+- latents by XLA: ``MLA._write`` set to ``MLA._write_xla`` (not ``pallas_kernels.mla.triton_cache``);
 - activation by XLA: ``k3jax.layers.basic.ACT_PROLOGUE_MAX_WIDTH`` 0 (the shared experts' act(gate, up) is
   an XLA op before their down projection, not the matvec kernel's prologue);
 - adds by XLA: ``k3jax.layers.basic.ADD_IN_KERNEL`` False (the residual and shared-expert adds after a
@@ -26,14 +26,14 @@ Each switch turns one change off (module attributes read while a step is traced)
   kernel with atomic adds at every batch, not the two kernels without atomics);
 - selection kernel: ``MoE._routes_in_kernel`` False (at one token the experts are picked by the selection
   kernel before the fused MoE, not by its hidden programs);
-- h interleaved: ``pallas_kernels.mx_matmul.moe_split.PLANAR_H_MAX_TOKENS`` 0 (the two-kernel MoE's h stored
+- h interleaved: ``pallas_kernels.moe.triton_split.PLANAR_H_MAX_TOKENS`` 0 (the two-kernel MoE's h stored
   [T*k, F] between its kernels at one token too, not planar);
 - conv kernel: ``k3jax.layers.kda.CONV_IN_MAPS`` False (at one row KDA's short convs and SiLU in a kernel of their
   own after the input maps' matvec kernel, not in its epilogue);
 - sorted MoE at decode: ``k3jax.layers.moe.TILED_MOE_AT_DECODE`` False (below the prefill's density the routed
   experts by the sorted dispatch or, up to 64 pairs, the fused kernels, not the tiled Mosaic GPU MoE);
 - mix by XLA: ``k3jax.layers.basic.MIX_KERNEL_ANY_ROWS`` False (at more than one row the AttnRes mixes and the
-  norms after them by XLA's fusions, not ``pallas_kernels.depth_mix``; one row keeps the kernel).
+  norms after them by XLA's fusions, not ``pallas_kernels.attn_res.triton``; one row keeps the kernel).
 Candidates, each on alone (``switches.command_buffer_candidates`` on ``DECODE_GPU_OPTIONS``): no command buffer,
 skip temp updates, skip profiled updates, exclusive lock.
 Variants: the default, each switch alone, each candidate alone, all the changes off.
@@ -55,7 +55,7 @@ import k3jax.layers.kda as kda
 import k3jax.layers.moe as moe_layer
 import k3jax.model as model_module
 import pallas_kernels.mx_matmul as mx_matmul
-import pallas_kernels.mx_matmul.moe_split as moe_split
+import pallas_kernels.moe.triton_split as moe_split
 from k3jax import Generator, K3Model, preset, use_implementation
 from k3jax.layers import basic
 from k3jax.layers.mla import MLA

@@ -33,7 +33,7 @@ import numpy as np
 from k3jax.functional import kda as ref
 from pallas_kernels.kda import KDABlocks, chunk_kda, chunk_kda_fused, step_kda, step_kda_fused
 from pallas_kernels.kda import reference as kda_reference
-from pallas_kernels.kda.kernel import intra_chunk, state_walk
+from pallas_kernels.kda.triton import intra_chunk, state_walk
 
 H, K, V, LOWER = 96, 128, 128, -5.0
 SHAPES = [(1, 8192), (1, 32768), (8, 4096)]

@@ -74,9 +74,9 @@ from pallas_kernels.mx_matmul import (  # noqa: E402
     mx_matmul_reference,
     tiled_moe_mx,
 )
-from pallas_kernels.mx_matmul.kernel import decode_mxfp4_pallas  # noqa: E402
-from pallas_kernels.mx_matmul.moe import FUSED_MOE_BLOCKS, FUSED_MOE_DOWN_ROWS  # noqa: E402
-from pallas_kernels.mx_matmul.moe_split import SPLIT_MOE_BLOCKS, SPLIT_MOE_DOWN_BLOCKS_ONE_TOKEN  # noqa: E402
+from pallas_kernels.mx_matmul.triton import decode_mxfp4_pallas  # noqa: E402
+from pallas_kernels.moe.operands import FUSED_MOE_BLOCKS, FUSED_MOE_DOWN_ROWS  # noqa: E402
+from pallas_kernels.moe.triton_split import SPLIT_MOE_BLOCKS, SPLIT_MOE_DOWN_BLOCKS_ONE_TOKEN  # noqa: E402
 from pallas_kernels.mx_matmul.ops import _kernel_weight_layout, mosaic_gpu_runs  # noqa: E402
 
 ROWS: list[dict] = []

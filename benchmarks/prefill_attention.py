@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from k3jax.functional.mla import absorbed_attention, causal_attention, mla_expand, mla_keys_values  # noqa: E402
-from pallas_kernels.prefill_attention import AttentionBlocks, prefill_attention  # noqa: E402
+from pallas_kernels.mla.triton_attention import AttentionBlocks, prefill_attention  # noqa: E402
 
 from benchmarks.kda import time_jax  # noqa: E402
 

@@ -14,14 +14,14 @@ chunks (thirty-third session: a 2048-token prompt 19.3-20.3 -> 13.4-14.0 ms with
 
 Each switch turns one change off (module attributes read while a prefill chunk is traced):
 - absorbed MLA prefill: ``MLA._flash_kernel`` False (prefill chunks attend in the absorbed XLA form, not
-  by ``pallas_kernels.prefill_attention`` over keys expanded from the latents);
+  by ``pallas_kernels.mla.triton_attention`` over keys expanded from the latents);
 - sorted MoE dispatch: ``k3jax.layers.moe.TILED_MOE_AT_PREFILL`` False (the routed experts of
   `mini`'s 2048-token chunks by the sorted dispatch on the Triton grouped kernel, not by
   ``pallas_kernels.mx_matmul.tiled_moe_mx``, the grouped Mosaic GPU kernel in its tiled layout);
 - mix by XLA: ``k3jax.layers.basic.MIX_KERNEL_ANY_ROWS`` False (the AttnRes mixes and the norms after them by
-  XLA's fusions, which re-read a block's sublayer outputs in each mix, not ``pallas_kernels.depth_mix``);
+  XLA's fusions, which re-read a block's sublayer outputs in each mix, not ``pallas_kernels.attn_res.triton``);
 - short convs by XLA: ``k3jax.layers.kda.CONV_KERNEL_AT_PREFILL`` False (KDA's short convs and their SiLU by XLA's
-  fusion, not ``pallas_kernels.short_conv.conv_silu_chunk``);
+  fusion, not ``pallas_kernels.kda.triton_short_conv.conv_silu_chunk``);
 - dot merger: ``k3jax.inference.PREFILL_GPU_OPTIONS`` empty (XLA's dot merger on: each layer's projections as one
   matmul over their weights, concatenated on every call).
 Candidates, each on alone (``switches.command_buffer_candidates`` on ``PREFILL_GPU_OPTIONS``): no command buffer,

@@ -6,13 +6,13 @@
 from k3jax import sharding
 from k3jax.checkpoint import load
 from k3jax.config import ConfigError, K3Config, from_hf_config
-from k3jax.implementation import get_implementation, use_implementation
+from k3jax.implementation import KernelPolicy, get_implementation, use_implementation
 from k3jax.inference import Generation, Generator
 from k3jax.model import K3Model, MixWeights
 from k3jax.presets import preset, preset_hf_config
 from k3jax.sampling import Sampling
 
 __all__ = [
-    "ConfigError", "Generation", "Generator", "K3Config", "K3Model", "MixWeights", "Sampling", "from_hf_config",
+    "ConfigError", "Generation", "Generator", "K3Config", "K3Model", "KernelPolicy", "MixWeights", "Sampling", "from_hf_config",
     "get_implementation", "load", "preset", "preset_hf_config", "sharding", "use_implementation",
 ]

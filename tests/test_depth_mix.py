@@ -13,7 +13,7 @@ from k3jax.functional.norms import rms_norm
 from k3jax.layers.basic import RMSNorm
 from k3jax.layers.mlp import activation
 from k3jax.layers.moe import MoE
-from pallas_kernels.depth_mix import mix_norm
+from pallas_kernels.attn_res.triton import mix_norm
 
 DEPTH, EPS, MIX_EPS = 200, 1e-5, 1e-6  # D not a power of two: the padded columns are masked
 

@@ -17,8 +17,8 @@ from kda_inputs import plain_inputs as inputs
 from kda_inputs import raw_inputs
 from pallas_kernels.kda import KDABlocks, chunk_kda, chunk_kda_fused, step_kda, step_kda_fused
 from pallas_kernels.kda import reference
-from pallas_kernels.kda._compat import MOSAIC_DECODE_MIN_STATE_BYTES, resolve_decode_lowering, resolve_lowering
-from pallas_kernels.kda.kernel import _unit_lower_inverse
+from pallas_kernels.kda.triton import MOSAIC_DECODE_MIN_STATE_BYTES, resolve_decode_lowering, resolve_lowering
+from pallas_kernels.kda.triton import _unit_lower_inverse
 from reference_numpy import rel_err
 
 TOL = 5e-3

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from k3jax.functional.norms import rms_norm
-from pallas_kernels.latent_cache import write_latents
+from pallas_kernels.mla.triton_cache import write_latents
 
 R, P, S, EPS = 48, 16, 10, 1e-6  # R not a power of two: the padded columns are masked
 

@@ -13,7 +13,7 @@ from k3jax.functional.attn_res import DepthMix
 from k3jax.functional.norms import rms_norm
 from k3jax.layers import basic
 from k3jax.layers.basic import Activated, RMSNorm, project
-from pallas_kernels.matvec import MAX_ROWS, MatvecBlocks, matvecs
+from pallas_kernels.matvec.triton import MAX_ROWS, MatvecBlocks, matvecs
 
 # bn = 8 (16 in the dot form), bk = 64: N = 5 is below the block, 20 and 13 are not multiples of
 # it, D = 200 not of bk.
@@ -184,7 +184,7 @@ def test_short_conv_epilogue_equals_the_conv_kernel(m):
     """``conv``: the first two outputs (20 and 13 rows: a partial block of 8 and a ragged last one) through
     the short convs and SiLU in the kernel, the state updated in place, bitwise as the plain products then
     ``conv_silu_step`` (itself tested against ``causal_conv``); the outputs after them untouched."""
-    from pallas_kernels.short_conv import conv_silu_step
+    from pallas_kernels.kda.triton_short_conv import conv_silu_step
 
     depth, width = 200, 4
     keys = jax.random.split(jax.random.key(30 + m), 8)

@@ -17,7 +17,7 @@ from pallas_kernels.mx_matmul import (
     mx_matmul_reference,
     tiled_moe_mx,
 )
-from pallas_kernels.mx_matmul.kernel import decode_mxfp4_pallas
+from pallas_kernels.mx_matmul.triton import decode_mxfp4_pallas
 from pallas_kernels.mx_matmul.ops import _kernel_weight_layout
 from reference_numpy import rel_err
 
@@ -365,7 +365,7 @@ def _router_case(tokens: int, E: int = 12):
 def test_slot_picks_by_rank_equal_select_experts(renormalize):
     """Each slot's (expert, weight) by ranks against ``select_experts`` (lax.top_k), 12 experts in 16 lanes."""
     from k3jax.functional.moe import select_experts
-    from pallas_kernels.route import expert_ranks, padded_router_inputs, slot_expert, slot_weight
+    from pallas_kernels.moe.triton_select import expert_ranks, padded_router_inputs, slot_expert, slot_weight
 
     k, tokens = 4, 3
     logits, bias = _router_case(tokens)
@@ -443,7 +443,7 @@ def test_tiled_rows_bound_with_fewer_rows_than_groups():
 def test_pair_slots_follow_the_stable_sort(tokens, k, experts, bm):
     """``pair_slots`` (counting) against a loop over the pairs in numpy's stable sort by expert: random ids
     with repeats within a token and ids past the experts (another device's), tiles of bm slots per expert."""
-    from pallas_kernels.mx_matmul.moe_tiled import pair_slots
+    from pallas_kernels.moe.mosaic_gpu_tiled import pair_slots
 
     ids = np.asarray(jax.random.randint(jax.random.key(tokens), (tokens, k), 0, experts + 2), np.int32)
     flat = ids.reshape(-1)

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.prefill_attention import AttentionBlocks, prefill_attention
+from pallas_kernels.mla.triton_attention import AttentionBlocks, prefill_attention
 from reference_numpy import rel_err
 
 H, N, P, V = 3, 16, 8, 16

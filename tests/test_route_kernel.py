@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from k3jax.functional.moe import select_experts as reference
-from pallas_kernels.route import select_experts
+from pallas_kernels.moe.triton_select import select_experts
 
 
 @pytest.mark.parametrize("experts,k,renormalize,tokens,block_logits", [
@@ -15,14 +15,11 @@ from pallas_kernels.route import select_experts
     (64, 8, False, 37, 1024),  # three blocks of 16
     (64, 8, True, 5, 0),  # a token per program
 ])
-def test_matches_reference_on_random_logits(experts, k, renormalize, tokens, block_logits, monkeypatch):
-    import pallas_kernels.route as route
-
-    monkeypatch.setattr(route, "SELECT_BLOCK_LOGITS", block_logits)
+def test_matches_reference_on_random_logits(experts, k, renormalize, tokens, block_logits):
     kl, kb = jax.random.split(jax.random.key(experts + tokens))
     logits = 2.0 * jax.random.normal(kl, (tokens, experts), jnp.float32)
     bias = 0.3 * jax.random.normal(kb, (experts,), jnp.float32)
-    weights, chosen = select_experts(logits, bias, k, renormalize, 2.5)
+    weights, chosen = select_experts(logits, bias, k, renormalize, 2.5, block_logits=block_logits)
     ref_weights, ref_chosen = reference(logits, bias, k, renormalize, 2.5)
     np.testing.assert_array_equal(chosen, ref_chosen)
     np.testing.assert_allclose(weights, ref_weights, rtol=1e-6, atol=0)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from k3jax.functional.conv import causal_conv
-from pallas_kernels.short_conv import conv_silu_chunk, conv_silu_step
+from pallas_kernels.kda.triton_short_conv import conv_silu_chunk, conv_silu_step
 
 W = 4
 

@@ -54,7 +54,7 @@ def attn_res_mix(
 class DepthMix:
     """A mix site's inputs, for its reader to mix: ``value()`` is ``attn_res_mix``'s output rounded to
     the partial's dtype (what the next layer reads), ``weights()`` its mixing weights. The reader
-    chooses how: ``k3jax.layers.basic.project`` mixes and norms in one kernel at one row on the
+    chooses how: ``pallas_kernels.matvec.ops.project`` mixes and norms in one kernel on the
     Pallas path, else calls value(). shape, dtype and reshape are the partial's, so layers pass a mix
     on like an array."""
 

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from k3jax.typing import Array
 
@@ -53,4 +57,22 @@ def causal_conv(
     return y, last_inputs(x, state, lengths)
 
 
-__all__ = ["causal_conv", "last_inputs"]
+def input_states(xs: Sequence[Array], state: Array) -> list[Array]:
+    """Each input's channels of a shared conv state [B, W - 1, sum F_i] (the inputs' channels side by side)."""
+    ends = np.cumsum([x.shape[-1] for x in xs])
+    return [state[..., end - x.shape[-1]:end] for x, end in zip(xs, ends)]
+
+
+def short_convs(xs: Sequence[Array], taps: Sequence[Array], state: Array, lengths: Array | None = None) -> tuple:
+    """KDA's short convs: silu(causal_conv(x_i, taps_i)) of each input x_i [B, T, F_i] with its channels
+    of the shared state [B, W - 1, sum F_i] (no concatenated copy of the inputs). Returns (y_1, ...,
+    y_n float32 [B, T, F_i], the new shared state)."""
+    ys, states = [], []
+    for x, w, s in zip(xs, taps, input_states(xs, state)):
+        y, s = causal_conv(x, w, s, lengths)
+        ys.append(jax.nn.silu(y))
+        states.append(s)
+    return (*ys, jnp.concatenate(states, axis=-1))
+
+
+__all__ = ["causal_conv", "input_states", "last_inputs", "short_convs"]

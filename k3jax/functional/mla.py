@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from k3jax.functional.norms import rms_norm
 from k3jax.typing import Array
 
 _HI = jax.lax.Precision.HIGHEST
@@ -93,5 +94,35 @@ def absorbed_output(o_lat: Array, kv_b: Array, nope_dim: int, dtype) -> Array:
     return _matmul("bthr,hvr->bthv", o_lat, w_uv, dtype)
 
 
-__all__ = ["absorbed_attention", "absorbed_output", "absorbed_query", "causal_attention", "mla_expand",
+def write_latents(c: Array, norm_weight: Array, eps: float, c_kv: Array, k_pe: Array, positions: Array
+                  ) -> tuple[Array, Array]:
+    """The latent cache with new tokens written: c [B, T, R + P] (kv_a_proj_with_mqa's output; its first R
+    values RMS-normed by kv_a_layernorm's ``norm_weight`` [R] and ``eps``) at positions [B, T] of the caches
+    c_kv [B, S, R] and k_pe [B, S, P]; positions past S are dropped. Returns (c_kv, k_pe)."""
+    R = c_kv.shape[-1]
+    latent, pe = rms_norm(c[..., :R], norm_weight, eps), c[..., R:]
+    rows = jnp.arange(c.shape[0])[:, None]
+    return (c_kv.at[rows, positions].set(latent.astype(c_kv.dtype), mode="drop"),
+            k_pe.at[rows, positions].set(pe.astype(k_pe.dtype), mode="drop"))
+
+
+def cached_attention(q: Array, c_kv: Array, k_pe: Array, kv_b: Array, positions: Array, scale: float) -> Array:
+    """Queries q [B, T, H, N + P] at positions [B, T] over a latent cache c_kv [B, S, R] (after
+    kv_a_layernorm), k_pe [B, S, P]: each query sees the cached positions at or before its own, in the
+    absorbed form (``absorbed_attention``). Returns [B, T, H, V] float32."""
+    nope = q.shape[-1] - k_pe.shape[-1]
+    visible = jnp.arange(c_kv.shape[1])[None, None, :] <= positions[:, :, None]  # [B, T, S]
+    return absorbed_attention(q[..., :nope], q[..., nope:], c_kv, k_pe, kv_b, visible, scale)
+
+
+def latent_causal_attention(q: Array, c_kv: Array, k_pe: Array, kv_b: Array, scale: float, dtype) -> Array:
+    """Causal attention of a whole sequence from its latents (c_kv [B, T, R] after kv_a_layernorm, k_pe
+    [B, T, P]) expanded into per-head keys and values by kv_b rounded to ``dtype``; q [B, T, H, N + P].
+    Returns [B, T, H, V] float32."""
+    nope = q.shape[-1] - k_pe.shape[-1]
+    k, v = mla_keys_values(c_kv, k_pe, kv_b.astype(dtype), q.shape[2], nope)
+    return causal_attention(q, k, v, scale)
+
+
+__all__ = ["cached_attention", "latent_causal_attention", "write_latents", "absorbed_attention", "absorbed_output", "absorbed_query", "causal_attention", "mla_expand",
            "mla_keys_values"]

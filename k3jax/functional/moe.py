@@ -11,6 +11,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from k3jax.mx import MXTensor
 from k3jax.typing import Array
 
 _HI = jax.lax.Precision.HIGHEST
@@ -99,4 +100,26 @@ def moe_sorted(
     return jnp.sum(y[slot].reshape(T, k, -1), axis=1).astype(x.dtype)
 
 
-__all__ = ["expert_order", "select_experts", "situ", "swiglu", "grouped_matmul", "moe_dense", "moe_sorted"]
+def stored_grouped_matmul(x: Array, w: "Array | MXTensor", group_sizes: Array) -> Array:
+    """``grouped_matmul`` of a stack as stored: an MXFP4 ``MXTensor`` decoded to x's dtype first."""
+    return grouped_matmul(x, w.decode(x.dtype) if isinstance(w, MXTensor) else w, group_sizes)
+
+
+def routed_experts(
+    x: Array, logits: Array, correction_bias: Array, w1, w3, w2, act: Activation, k: int, renormalize: bool,
+    scaling_factor: float, dispatch: str = "sorted",
+) -> Array:
+    """The routed experts' weighted sum for x [T, R] from the router's logits [T, E] (``select_experts``):
+    the sorted dispatch (``moe_sorted``) or, with ``dispatch="dense"``, every expert on every token
+    (``moe_dense``). Stacks w1, w3 [E, F, R], w2 [E, R, F] are arrays or MXFP4 ``MXTensor`` (decoded to x's
+    dtype). Returns [T, R] in x's dtype."""
+    weights, experts = select_experts(logits, correction_bias, k, renormalize, scaling_factor)
+    if dispatch == "sorted":
+        return moe_sorted(x, w1, w3, w2, weights, experts, act, matmul=stored_grouped_matmul)
+    if dispatch != "dense":
+        raise ValueError(f"dispatch: {dispatch!r}; expected 'sorted' or 'dense'")
+    w1, w3, w2 = (w.decode(x.dtype) if isinstance(w, MXTensor) else w for w in (w1, w3, w2))
+    return moe_dense(x, w1, w3, w2, weights, experts, act)
+
+
+__all__ = ["routed_experts", "stored_grouped_matmul", "expert_order", "select_experts", "situ", "swiglu", "grouped_matmul", "moe_dense", "moe_sorted"]

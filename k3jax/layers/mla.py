@@ -1,7 +1,6 @@
-"""Gated multi-head latent attention (spec section 4) as a Flax NNX module: the expanded full-sequence
-form (``__call__``) and the form over a latent cache (``extend``): absorbed for decode steps (and
-prefill chunks on the reference path), expanded keys with a flash-attention kernel for prefill chunks
-on the Pallas path, as ``__call__`` there."""
+"""Gated multi-head latent attention (spec section 4) as a Flax NNX module: the full-sequence form
+(``__call__``) and the form over a latent cache (``extend``; ``pallas_kernels.mla`` says which kernels
+run each)."""
 
 from __future__ import annotations
 
@@ -12,10 +11,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import MLAConfig
-from k3jax.functional.mla import absorbed_attention, causal_attention, mla_expand, mla_keys_values
-from k3jax.implementation import pallas_interpret, triton_kernels
-from k3jax.layers.basic import Linear, RMSNorm, Rngs, project
+from k3jax.layers.basic import Linear, RMSNorm, Rngs, norm_params
 from k3jax.typing import Array
+from pallas_kernels.matvec.ops import project
+from pallas_kernels.mla.ops import cached_attention, latent_causal_attention, write_latents
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm, as in the public implementations
 
@@ -55,14 +54,15 @@ class MLA(nnx.Module):
         maps = [self.q_a_proj if self.cfg.q_lora_rank else self.q_proj, self.kv_a_proj_with_mqa]
         if self.cfg.output_gate:
             maps.append(self.g_proj)
-        outs = project(x, [m.weight[...] for m in maps], norm=norm)
+        outs = project(x, [m.weight[...] for m in maps], norm=norm_params(norm))
         return outs[0], outs[1], outs[2] if self.cfg.output_gate else None
 
     def queries(self, q_in: Array) -> Array:
         """The query input [B, T, *] -> queries [B, T, H, nope + rope]."""
         B, T, _ = q_in.shape
-        q = project(q_in, [self.q_b_proj.weight[...]], norm=self.q_a_layernorm)[0] if self.cfg.q_lora_rank else q_in
-        return q.reshape(B, T, self.cfg.num_heads, self.cfg.qk_head_dim)
+        if self.cfg.q_lora_rank:
+            q_in = project(q_in, [self.q_b_proj.weight[...]], norm=norm_params(self.q_a_layernorm))[0]
+        return q_in.reshape(B, T, self.cfg.num_heads, self.cfg.qk_head_dim)
 
     def latent(self, c: Array) -> tuple[Array, Array]:
         """kv_a_proj_with_mqa's output [B, T, R + P] -> (c_kv after kv_a_layernorm [B, T, R], k_pe
@@ -79,24 +79,6 @@ class MLA(nnx.Module):
             o = o * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(dtype)
         return project(o, [self.o_proj.weight[...]], add=() if residual is None else (residual,))[0]
 
-    def _write(self, c: Array, cache: MLACache, pos: Array) -> MLACache:
-        """``_write_xla``, or for a decode step (T = 1) on the Pallas path off TPU one kernel
-        (``pallas_kernels.latent_cache``)."""
-        if c.shape[1] == 1 and triton_kernels():
-            from pallas_kernels.latent_cache import write_latents
-
-            norm = self.kv_a_layernorm
-            return MLACache(*write_latents(c[:, 0], norm.weight[...], norm.eps, cache.c_kv, cache.k_pe, pos[:, 0]))
-        return self._write_xla(c, cache, pos)
-
-    def _write_xla(self, c: Array, cache: MLACache, pos: Array) -> MLACache:
-        """The cache with the new tokens' latents (kv_a_proj_with_mqa's output c [B, T, R + P]) at
-        positions pos [B, T]; positions past its end are dropped."""
-        c_kv, k_pe = self.latent(c)
-        rows = jnp.arange(c.shape[0])[:, None]
-        return MLACache(cache.c_kv.at[rows, pos].set(c_kv.astype(cache.c_kv.dtype), mode="drop"),
-                        cache.k_pe.at[rows, pos].set(k_pe.astype(cache.k_pe.dtype), mode="drop"))
-
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32) -> MLACache:
         cfg = self.cfg
         return MLACache(jnp.zeros((batch, max_len, cfg.kv_lora_rank), dtype),
@@ -104,9 +86,7 @@ class MLA(nnx.Module):
 
     def extend(self, x: Array, cache: MLACache, start: Array, window: int | None = None,
                norm: RMSNorm | None = None, residual: Array | None = None) -> tuple[Array, MLACache]:
-        """New tokens x [B, T, D] at positions start[b] + t against the cache: in the absorbed form, or
-        for T > 1 on the Pallas path (``_flash_kernel``) over keys and values expanded from the
-        cache's latents by ``pallas_kernels.prefill_attention``, which does not materialize scores.
+        """New tokens x [B, T, D] at positions start[b] + t against the cache.
 
         Writes the new latents into the cache (positions past its end are dropped), then attends
         every query to the cached positions at or before its own. Padding after a sequence's last
@@ -115,55 +95,20 @@ class MLA(nnx.Module):
         position must be below it (the caller's guarantee); None reads the whole cache. ``residual``
         [B, T, D], when given, is added to the output.
         """
-        cfg = self.cfg
         q_in, c, gate = self.inputs(x, norm)
         pos = start[:, None] + jnp.arange(x.shape[1])  # [B, T]
-        cache = self._write(c, cache, pos)
-        keys = MLACache(cache.c_kv[:, :window], cache.k_pe[:, :window])  # [:None] is everything
-        q = self.queries(q_in)
-        if x.shape[1] > 1 and self._flash_kernel():  # the cache's dtype rounds the operands, as absorbed
-            o = self._flash_attention(q, keys.c_kv, keys.k_pe, pos, keys.c_kv.dtype)
-        else:
-            visible = jnp.arange(keys.c_kv.shape[1])[None, None, :] <= pos[:, :, None]  # [B, T, S]
-            q_nope, q_pe = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :]
-            o = absorbed_attention(q_nope, q_pe, keys.c_kv, keys.k_pe, self.kv_b_proj.weight[...], visible,
-                                   cfg.qk_head_dim**-0.5)
+        norm = self.kv_a_layernorm
+        cache = MLACache(*write_latents(c, norm.weight[...], norm.eps, cache.c_kv, cache.k_pe, pos))
+        o = cached_attention(self.queries(q_in), cache.c_kv[:, :window], cache.k_pe[:, :window],  # [:None]: all
+                             self.kv_b_proj.weight[...], pos, self.cfg.qk_head_dim**-0.5)
         return self.output(gate, o, x.dtype, residual), cache
 
-    def _flash_kernel(self) -> bool:
-        """Whether the expanded form attends by the flash-attention kernel (``pallas_kernels.prefill_attention``):
-        on the Pallas path off TPU, with head widths the kernel takes (any in interpret mode)."""
-        from pallas_kernels.prefill_attention import prefill_attention_runs
-
-        cfg = self.cfg
-        return triton_kernels() and (pallas_interpret() or prefill_attention_runs(
-            cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim))
-
-    def _flash_attention(self, q: Array, c_kv: Array, k_pe: Array, positions: Array, dtype) -> Array:
-        """Queries q [B, T, H, nope + rope] at positions [B, T] over the latents c_kv [B, S, R] (after
-        kv_a_layernorm) and k_pe [B, S, P], expanded into per-head keys and values, by the kernel;
-        operands rounded to ``dtype``. Returns [B, T, H, V] float32."""
-        from pallas_kernels.prefill_attention import prefill_attention
-
-        cfg, nope = self.cfg, self.cfg.qk_nope_head_dim
-        k_nope, v = mla_expand(c_kv.astype(dtype), self.kv_b_proj.weight[...].astype(dtype), cfg.num_heads, nope)
-        return prefill_attention(q[..., :nope].astype(dtype), q[..., nope:].astype(dtype), k_nope, k_pe.astype(dtype),
-                                 v, positions, cfg.qk_head_dim**-0.5)
-
     def __call__(self, x: Array, norm: RMSNorm | None = None, residual: Array | None = None) -> Array:
-        """x [B, T, D] (RMS-normed by ``norm`` first, when given) -> [B, T, D], the expanded form (on the
-        Pallas path by the flash-attention kernel: no [B, H, T, T] scores), plus ``residual`` when given."""
-        cfg = self.cfg
+        """x [B, T, D] (RMS-normed by ``norm`` first, when given) -> [B, T, D], plus ``residual`` when given."""
         q_in, c, gate = self.inputs(x, norm)
         c_kv, k_pe = self.latent(c)
-        q = self.queries(q_in)
-        if self._flash_kernel():
-            B, T = x.shape[:2]
-            o = self._flash_attention(q, c_kv, k_pe, jnp.broadcast_to(jnp.arange(T), (B, T)), x.dtype)
-        else:
-            k, v = mla_keys_values(c_kv, k_pe, self.kv_b_proj.weight[...].astype(x.dtype), cfg.num_heads,
-                                   cfg.qk_nope_head_dim)
-            o = causal_attention(q, k, v, cfg.qk_head_dim**-0.5)
+        o = latent_causal_attention(self.queries(q_in), c_kv, k_pe, self.kv_b_proj.weight[...],
+                                    self.cfg.qk_head_dim**-0.5, x.dtype)
         return self.output(gate, o, x.dtype, residual)
 
 

@@ -8,8 +8,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.functional.moe import Activation, situ, swiglu
-from k3jax.layers.basic import Activated, Linear, RMSNorm, Rngs, project
+from k3jax.functional.linear import Activated
+from k3jax.layers.basic import Linear, RMSNorm, Rngs, norm_params
 from k3jax.typing import Array
+from pallas_kernels.matvec.ops import project
 
 
 def activation(name: str, situ_beta: float = 4.0, situ_linear_beta: float = 25.0) -> Activation:
@@ -32,13 +34,12 @@ class DenseMLP(nnx.Module):
 
     def __call__(self, x: Array, norm: RMSNorm | None = None, residual: Array | None = None) -> Array:
         """x [..., D] (RMS-normed by ``norm`` first, when given) -> [..., D], plus ``residual`` when given."""
-        gate, up = project(x, [self.gate_proj.weight[...], self.up_proj.weight[...]], norm=norm)
+        gate, up = project(x, [self.gate_proj.weight[...], self.up_proj.weight[...]], norm=norm_params(norm))
         return self.down(gate, up, () if residual is None else (residual,))
 
     def down(self, gate: Array, up: Array, add: tuple[Array, ...] = ()) -> Array:
-        """The output from the gate and up projections: down_proj(act(gate, up)) through ``project``
-        (on its kernel path, act inside the matvec kernel up to ``ACT_PROLOGUE_MAX_WIDTH``), plus
-        ``add`` (project's epilogue)."""
+        """The output from the gate and up projections: down_proj(act(gate, up)) through ``project`` (which
+        may compute the activation inside its kernel), plus ``add`` (project's epilogue)."""
         return project(Activated(self.act, gate, up), [self.down_proj.weight[...]], add=add)[0]
 
 

@@ -1,7 +1,8 @@
-"""Pallas kernels for Kimi Delta Attention: chunked prefill (bounded gate, 16-token sub-tiles), a
-fused-input variant and the decode step. See README.md for the maths and the tiling."""
+"""Kimi Delta Attention: the chunked prefill (bounded gate, 16-token sub-tiles), the decode step and the
+short convs, by lowering. ``ops`` is the entry; README.md has the maths and the tiling."""
 
-from pallas_kernels.kda.kernel import KDABlocks
-from pallas_kernels.kda.ops import DEFAULT_BLOCKS, chunk_kda, chunk_kda_fused, step_kda, step_kda_fused
+from pallas_kernels.kda.ops import (DEFAULT_BLOCKS, KDABlocks, chunk_kda, chunk_kda_fused, gated_kda, short_convs,
+                                    step_kda, step_kda_fused)
 
-__all__ = ["KDABlocks", "DEFAULT_BLOCKS", "chunk_kda", "chunk_kda_fused", "step_kda", "step_kda_fused"]
+__all__ = ["DEFAULT_BLOCKS", "KDABlocks", "chunk_kda", "chunk_kda_fused", "gated_kda", "short_convs", "step_kda",
+           "step_kda_fused"]

@@ -32,7 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._mosaic_gpu import interpret_params, swizzled
-from pallas_kernels.kda.kernel import KDABlocks, intra_chunk
+from pallas_kernels.kda.triton import KDABlocks, intra_chunk
 
 CHUNK = 32
 BLOCK_V = 64

@@ -1,8 +1,11 @@
-"""Public entry points of the KDA kernels; same contracts as ``k3jax.functional.kda``.
+"""The KDA op's one entry for the layer (``gated_kda``, ``short_convs``: the signatures of
+``k3jax.functional``), which picks reference or kernel, and the kernel entries behind it.
 
-    chunk_kda(q, k, v, g, beta, initial_state=None, scale=None)          -> (o, final_state)
+    gated_kda(q, k, v, z, a_log, dt_bias, beta_logits, state, lower_bound, valid) -> (o, state)
+    short_convs(xs, taps, state, lengths)                                         -> (*ys, state)
+    chunk_kda(q, k, v, g, beta, initial_state=None, scale=None)                   -> (o, final_state)
     chunk_kda_fused(q, k, v, z, a_log, dt_bias, beta_logits, lower_bound, initial_state, scale)
-    step_kda(q, k, v, g, beta, state, scale=None)                        -> (o, state)
+    step_kda(q, k, v, g, beta, state, scale=None)                                 -> (o, state)
     step_kda_fused(q, k, v, z, a_log, dt_bias, beta_logits, state, lower_bound, scale)
 
 q, k [B, T, H, K] (bf16 or float32), v [B, T, H, V], g [B, T, H, K] float32 log decay, beta [B, T, H]
@@ -10,12 +13,15 @@ float32 after the sigmoid, state [B, H, K, V] float32; o is float32 [B, T, H, V]
 sizes are powers of two; T is any length. Gradients (``jax.custom_vjp``) are the reference's
 autodiff: forward by the kernels, backward by ``jax.vjp`` of the pure-JAX chunked form.
 
-The kernels need the bounded gate: every g >= -10 (K3's gate has g > lower_bound = -5). Sixteen
-such steps stay inside float32's exponent range when factored around the sub-tile midpoint. Pass
-``safe_gate=False`` for unbounded gates (Kimi Linear's softplus gate): that runs the reference.
+The chunked kernels need the bounded gate: every g >= -10 (K3's gate has g > lower_bound = -5).
+Sixteen such steps stay inside float32's exponent range when factored around the sub-tile midpoint.
+Unbounded gates (Kimi Linear's softplus gate) take the reference's chunked form.
 
-Lowering: ``KDABlocks.lowering`` ("auto" by backend and JAX version, "triton", "mosaic_gpu",
-"mosaic_tpu"; see ``_compat``); on a CPU each runs in its interpret mode.
+Lowering (``KDABlocks.lowering``, ``resolve_lowering``): "auto" picks Mosaic TPU on a TPU, Mosaic GPU
+(``mosaic_gpu.py``'s state walk after the Triton intra kernel; ``mosaic_gpu_decode.py`` for the decode
+step) on a GPU under JAX >= 0.11 when K and V are multiples of 64, else the Triton bodies of
+``triton.py`` (JAX 0.10 and 0.11 both select Pallas' Triton lowering by its compiler parameters). On a
+CPU each runs in its interpret mode.
 """
 
 from __future__ import annotations
@@ -25,13 +31,86 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from k3jax.functional import conv as conv_reference
+from k3jax.functional import kda as kda_reference
+from k3jax.functional.conv import input_states, last_inputs
+from k3jax.implementation import current
 from pallas_kernels._mosaic_gpu import interpret_argument
+from pallas_kernels._platform import interpret, jax_at_least, on_tpu
 from pallas_kernels.kda import mosaic_gpu, mosaic_gpu_decode, reference, tpu
-from pallas_kernels.kda._compat import interpret, resolve_decode_lowering, resolve_lowering
-from pallas_kernels.kda.kernel import KDABlocks, decode_step, intra_chunk, state_walk
+from pallas_kernels.kda.triton import LOWERINGS, KDABlocks, decode_step, intra_chunk, state_walk
+from pallas_kernels.kda.triton_short_conv import conv_silu_chunk, conv_silu_step
 
 DEFAULT_BLOCKS = KDABlocks()
 MIN_LOWER_BOUND = -10.0  # most negative per-step gate whose 16-token span fits float32 (midpoint)
+
+
+def resolve_lowering(name: str, key_dim: int, value_dim: int) -> str:
+    """The lowering "auto" stands for here (see the module docstring); others are returned as given."""
+    if name not in LOWERINGS:
+        raise ValueError(f"lowering {name!r}; expected one of {LOWERINGS}")
+    if name != "auto":
+        return name
+    if on_tpu():
+        return "mosaic_tpu"
+    fits = key_dim % mosaic_gpu.WGMMA_ROWS == 0 and value_dim % mosaic_gpu.BLOCK_V == 0
+    if jax.default_backend() == "gpu" and jax_at_least(0, 11) and fits:
+        return "mosaic_gpu"
+    return "triton"
+
+
+def resolve_decode_lowering(name: str, key_dim: int, value_dim: int, state_bytes: int) -> str:
+    """The decode step's lowering: as ``resolve_lowering``, except that "auto" keeps the Triton decode
+    for states under ``KernelPolicy.kda_mosaic_decode_min_state_bytes``."""
+    lowering = resolve_lowering(name, key_dim, value_dim)
+    if name == "auto" and lowering == "mosaic_gpu" and state_bytes < current().policy.kda_mosaic_decode_min_state_bytes:
+        return "triton"
+    return lowering
+
+
+def gated_kda(q, k, v, z, a_log, dt_bias, beta_logits, state, lower_bound: float | None, valid=None):
+    """``k3jax.functional.kda.gated_kda``: the reference, or on the Pallas path the kernels. With K3's
+    bounded gate the kernels take the raw inputs (norms, gate and sigmoid inside; padding masked by
+    z = beta_logits = -inf, which give g = 0 and beta = 0); without it the gates are computed here
+    and the decode kernel (any gate works there) or the reference's chunked form runs."""
+    if current().name == "reference":
+        return kda_reference.gated_kda(q, k, v, z, a_log, dt_bias, beta_logits, state, lower_bound, valid)
+    if lower_bound is not None:
+        if valid is not None:
+            z = jnp.where(valid[:, :, None, None], z, -jnp.inf)
+            beta_logits = jnp.where(valid[:, :, None], beta_logits, -jnp.inf)
+        if q.shape[1] == 1:
+            o, state = step_kda_fused(q[:, 0], k[:, 0], v[:, 0], z[:, 0], a_log, dt_bias, beta_logits[:, 0], state,
+                                      lower_bound)
+            return o[:, None], state
+        return chunk_kda_fused(q, k, v, z, a_log, dt_bias, beta_logits, lower_bound, state)
+    if q.shape[1] > 1:
+        return kda_reference.gated_kda(q, k, v, z, a_log, dt_bias, beta_logits, state, None, valid)
+    q, k = kda_reference.l2_normalize(q), kda_reference.l2_normalize(k)
+    g = kda_reference.softplus_gate(z, a_log, dt_bias)
+    beta = jax.nn.sigmoid(beta_logits.astype(jnp.float32))
+    if valid is not None:
+        g = jnp.where(valid[:, :, None, None], g, 0.0)
+        beta = jnp.where(valid[:, :, None], beta, 0.0)
+    o, state = step_kda(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state)
+    return o[:, None], state
+
+
+def short_convs(xs, taps, state, lengths=None):
+    """``k3jax.functional.conv.short_convs``: the reference, or on the Pallas path off TPU one kernel for
+    a decode step (T = 1, no padding; the state updated in place) and, by
+    ``KernelPolicy.conv_kernel_at_prefill``, one kernel for a prefill chunk's convs and SiLU (the state
+    after them by XLA)."""
+    choice = current()
+    if choice.name == "reference" or on_tpu():
+        return conv_reference.short_convs(xs, taps, state, lengths)
+    if xs[0].shape[1] == 1 and lengths is None:
+        ys, state = conv_silu_step([x[:, 0] for x in xs], taps, state)
+        return (*(y[:, None] for y in ys), state)
+    if not choice.policy.conv_kernel_at_prefill:
+        return conv_reference.short_convs(xs, taps, state, lengths)
+    states = [last_inputs(x.astype(jnp.float32), s, lengths) for x, s in zip(xs, input_states(xs, state))]
+    return (*conv_silu_chunk(xs, taps, state), jnp.concatenate(states, axis=-1))
 
 
 def _pad_tokens(arrays, chunk):
@@ -180,5 +259,5 @@ def step_kda_fused(q, k, v, z, a_log, dt_bias, beta_logits, state, lower_bound: 
                    blocks=blocks, lower_bound=float(lower_bound))
 
 
-__all__ = ["DEFAULT_BLOCKS", "MIN_LOWER_BOUND", "KDABlocks", "chunk_kda", "chunk_kda_fused", "step_kda",
-           "step_kda_fused"]
+__all__ = ["DEFAULT_BLOCKS", "MIN_LOWER_BOUND", "KDABlocks", "chunk_kda", "chunk_kda_fused", "gated_kda",
+           "resolve_decode_lowering", "resolve_lowering", "short_convs", "step_kda", "step_kda_fused"]

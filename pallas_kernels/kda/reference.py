@@ -1,5 +1,5 @@
-"""The oracle and CPU fallback for the KDA kernels: ``k3jax.functional.kda``, plus the fused-input
-contract composed from the same functions.
+"""The oracle and CPU fallback for the KDA kernels: ``k3jax.functional.kda`` and ``k3jax.functional.conv``
+(the short convs), plus the fused-input contract composed from the same functions.
 
 Fused inputs (what the KDA layer has before its gates): raw q, k [B, T, H, K] (not normalized), v
 [B, T, H, V], z [B, T, H, K] (the f_b_proj output), a_log [H], dt_bias [H, K], beta logits [B, T, H].
@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import jax
 
-from k3jax.functional.kda import bounded_gate, chunk_kda, l2_normalize, recurrent_kda, step_kda
+from k3jax.functional.conv import short_convs
+from k3jax.functional.kda import bounded_gate, chunk_kda, gated_kda, l2_normalize, recurrent_kda, step_kda
 
 
 def fused_inputs(q, k, z, a_log, dt_bias, beta_logits, lower_bound):
@@ -26,4 +27,4 @@ def chunk_kda_fused(q, k, v, z, a_log, dt_bias, beta_logits, lower_bound=-5.0,
     return chunk_kda(q, k, v, g, beta, initial_state, scale)
 
 
-__all__ = ["chunk_kda", "recurrent_kda", "step_kda", "fused_inputs", "chunk_kda_fused"]
+__all__ = ["gated_kda", "short_convs", "chunk_kda", "recurrent_kda", "step_kda", "fused_inputs", "chunk_kda_fused"]

@@ -48,13 +48,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from k3jax.mx import BLOCK, ZERO_BLOCK_SCALE_BYTE
 from k3jax.typing import Array
 from pallas_kernels._mosaic_gpu import interpret_params, store_transposed, swizzled
-from pallas_kernels.mx_matmul.kernel import (
+from pallas_kernels.mx_matmul.triton import (
     _BF16X2_2_POW_126,
     _BF16X2_NEG_ZERO,
     _MAGNITUDE_MASK,
     _times_bias_and_scale,
 )
-from pallas_kernels.mx_matmul.ops import _pad_axis
+from pallas_kernels.mx_matmul.layout import pad_axis
 
 ROWS = 64  # weight rows per program: one wgmma M tile, one warpgroup
 CHUNK_BYTES = 16  # code bytes per 32-element scale block
@@ -345,7 +345,7 @@ def _round_up(n: int, m: int) -> int:
 
 def _pad2(a: Array, rows: int, cols: int, value) -> Array:
     """a [..., R, C] padded to [..., rows, cols]."""
-    return _pad_axis(_pad_axis(a, a.ndim - 2, rows, value), a.ndim - 1, cols, value)
+    return pad_axis(pad_axis(a, a.ndim - 2, rows, value), a.ndim - 1, cols, value)
 
 
 def weight_operands(codes: Array, scales: Array, bk: int):

@@ -20,7 +20,7 @@ Same contracts as ``ops.mx_matmul`` / ``ops.grouped_mx_matmul`` (README.md, sect
 - W4A8: x comes in as its float8_e4m3fn bytes (uint8) and E8M0 scales [M, K/32]; E4M3 is decoded
   with integer ops too (normal: float32 bits, subnormal: mantissa * 2**-9) and scaled the same way.
 - Grouped: rows of x sorted by group, w [G, N, K]. Work items (group, row tile, first row, end row),
-  one per row tile a non-empty group touches (``ops._work_items``), go in by scalar prefetch
+  one per row tile a non-empty group touches (``layout.work_items``), go in by scalar prefetch
   (``pltpu.PrefetchScalarGridSpec``) and pick the x row tile and the expert's weights in the index
   maps, as megablox's gmm does. Grid (N tiles, items, K tiles); items sequential, so a row tile
   shared by two groups stays in VMEM across their consecutive items and each stores only its own
@@ -47,7 +47,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from k3jax.mx import BLOCK, ZERO_BLOCK_SCALE_BYTE, MXTensor, e8m0_to_float
 from k3jax.typing import Array
-from pallas_kernels.mx_matmul.ops import _check, _check_grouped, _pad_axis, _resolve, _work_items
+from pallas_kernels.mx_matmul.layout import check_grouped, check_operands, pad_axis, resolve_dtype, work_items
 
 _BF16 = jnp.bfloat16
 _F32 = jnp.float32
@@ -229,10 +229,10 @@ def _grouped_kernel(group_ref, tile_ref, lo_ref, hi_ref, *refs, bm: int, w4a8: b
 
 
 def _prefetched_items(group_sizes: Array, m: int, bm: int, n_items: int) -> tuple[Array, ...]:
-    """(group, row tile, first row, end row) int32 [n_items] each, from ``ops._work_items``; unused
+    """(group, row tile, first row, end row) int32 [n_items] each, from ``layout.work_items``; unused
     items (empty row range) take the last real item's group and row tile, so their blocks are
     already in VMEM."""
-    group, tile, lo, hi = _work_items(group_sizes, m, bm, n_items)
+    group, tile, lo, hi = work_items(group_sizes, m, bm, n_items)
     last = jnp.maximum(jnp.sum(hi > lo) - 1, 0)
     used = hi > lo
     return jnp.where(used, group, group[last]), jnp.where(used, tile, tile[last]), lo, hi
@@ -280,25 +280,25 @@ def _x_planes(x: Array | MXTensor, m_pad: int) -> tuple[Array, Array, Array | No
     """x padded to m_pad rows and split into its even and odd columns: bf16, or for an MXFP8 x its
     float8 bytes as uint8 (plus its scale bytes, padded with unit scales)."""
     if isinstance(x, MXTensor):
-        values = _pad_axis(jax.lax.bitcast_convert_type(x.codes, jnp.uint8), 0, m_pad, 0)
-        x_scales = _pad_axis(x.scales, 0, m_pad, ZERO_BLOCK_SCALE_BYTE)
+        values = pad_axis(jax.lax.bitcast_convert_type(x.codes, jnp.uint8), 0, m_pad, 0)
+        x_scales = pad_axis(x.scales, 0, m_pad, ZERO_BLOCK_SCALE_BYTE)
     else:
-        values, x_scales = _pad_axis(x.astype(_BF16), 0, m_pad, 0), None
+        values, x_scales = pad_axis(x.astype(_BF16), 0, m_pad, 0), None
     return values[:, 0::2], values[:, 1::2], x_scales
 
 
 def _weights(w: MXTensor, n_pad: int) -> tuple[Array, Array]:
     """Codes and scale bytes with rows padded to n_pad (zero codes, unit scales)."""
     axis = w.ndim - 2
-    return _pad_axis(w.codes, axis, n_pad, 0), _pad_axis(w.scales, axis, n_pad, ZERO_BLOCK_SCALE_BYTE)
+    return pad_axis(w.codes, axis, n_pad, 0), pad_axis(w.scales, axis, n_pad, ZERO_BLOCK_SCALE_BYTE)
 
 
 def _resolve_tpu(x, blocks, out_dtype, interpret: bool | None):
     """(blocks, out_dtype, interpret): blocks default to ``TPUBlocks()``; out_dtype as
-    ``ops._resolve``; interpret defaults to "not on a TPU"."""
+    ``layout.resolve_dtype``; interpret defaults to "not on a TPU"."""
     if not isinstance(blocks, (TPUBlocks, type(None))):
         raise ValueError(f"the Mosaic TPU kernels take TPUBlocks, got {blocks!r}")
-    out_dtype, _ = _resolve(x, out_dtype, False)
+    out_dtype, _ = resolve_dtype(x, out_dtype, False)
     return blocks or TPUBlocks(), out_dtype, jax.default_backend() != "tpu" if interpret is None else interpret
 
 
@@ -308,7 +308,7 @@ def _interpret_params(interpret: bool):
 
 @functools.partial(jax.jit, static_argnames=("blocks", "out_dtype", "interpret"))
 def _mx_matmul(x, w, *, blocks, out_dtype, interpret):
-    m, n, k = _check(x, w, 2)
+    m, n, k = check_operands(x, w, 2)
     bm, bn, bk, m_pad, n_pad = _fit(blocks, m, n, k)
     out = mx_matmul_tpu(*_x_planes(x, m_pad), *_weights(w, n_pad), bm=bm, bn=bn, bk=bk, out_dtype=out_dtype,
                         interpret=_interpret_params(interpret))
@@ -326,7 +326,7 @@ def mx_matmul(x: Array | MXTensor, w: MXTensor, *, blocks: TPUBlocks | None = No
 
 @functools.partial(jax.jit, static_argnames=("blocks", "out_dtype", "interpret"))
 def _grouped_mx_matmul(x, w, group_sizes, *, blocks, out_dtype, interpret):
-    m, n, k, g = _check_grouped(x, w, group_sizes)
+    m, n, k, g = check_grouped(x, w, group_sizes)
     bm, bn, bk, m_pad, n_pad = _fit(blocks, m, n, k)
     items = _prefetched_items(group_sizes, m, bm, m_pad // bm + min(g, m) - 1)
     out = grouped_mx_matmul_tpu(items, *_x_planes(x, m_pad), *_weights(w, n_pad), bm=bm, bn=bn, bk=bk,

@@ -28,10 +28,11 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels._platform import interpret
 from pallas_kernels._triton import triton_params
-from pallas_kernels.kda._compat import check_lowering, interpret
 
 TILE = 16
+LOWERINGS = ("auto", "triton", "mosaic_gpu", "mosaic_tpu")
 _HI = jax.lax.Precision.HIGHEST
 _F32 = jnp.float32
 
@@ -46,7 +47,7 @@ class KDABlocks:
                     operands ("bfloat16" or "float32"); the state itself stays float32
     warps_intra, warps_walk, stages_walk, warps_decode: Triton launch parameters (ignored off GPU)
     decode_block_v: value columns of the state per program of the decode step
-    lowering:       "auto", "triton", "mosaic_gpu" or "mosaic_tpu" (``_compat``); chunk and block
+    lowering:       "auto", "triton", "mosaic_gpu" or "mosaic_tpu" (``ops.resolve_lowering``); chunk and block
                     sizes above are the Triton kernels'; the Mosaic ones use their modules' own
     """
 
@@ -63,7 +64,8 @@ class KDABlocks:
     def __post_init__(self):
         if self.chunk % TILE or self.chunk <= 0:
             raise ValueError(f"chunk must be a positive multiple of {TILE}, got {self.chunk}")
-        check_lowering(self.lowering)
+        if self.lowering not in LOWERINGS:
+            raise ValueError(f"lowering {self.lowering!r}; expected one of {LOWERINGS}")
 
 
 def _sigmoid(x):

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from k3jax.implementation import pallas_interpret
+from pallas_kernels import _platform
 from k3jax.typing import Array
 from pallas_kernels._triton import triton_params
 
@@ -96,7 +96,7 @@ def mix_norm(partial: Array, blocks: Array, count: Array | int, mix_norm_weight:
         if w is not None and w.size != depth:
             raise ValueError(f"{name} must hold D = {depth} values, got shape {w.shape}")
     count = jnp.asarray(count, jnp.int32).reshape(1)
-    interpret = pallas_interpret() if interpret is None else interpret
+    interpret = _platform.interpret() if interpret is None else interpret
     norm_weight, eps = (None, None) if norm is None else (norm[0], float(norm[1]))
     return _mix_norm(partial, blocks, count, mix_norm_weight, mix_proj_weight, norm_weight, mix_eps=float(mix_eps),
                      eps=eps, interpret=interpret)

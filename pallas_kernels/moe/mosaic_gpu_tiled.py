@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from k3jax.mx import MXTensor
 from k3jax.typing import Array
 from pallas_kernels._mosaic_gpu import interpret_argument
-from pallas_kernels.mx_matmul.moe import _check_moe_operands
+from pallas_kernels.moe.operands import check_moe_operands
 from pallas_kernels.mx_matmul.mosaic_gpu import MosaicBlocks, x_operand
 from pallas_kernels.mx_matmul.mosaic_gpu_grouped import (
     DEFAULT_BLOCKS,
@@ -63,7 +63,7 @@ def tiled_moe_mx(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, weights: Ar
     weight * expert(x), bf16 [T, R]; each expert's matmul outputs rounded to bf16 as ``moe_sorted``'s are.
     Pairs whose expert is outside [0, E) add nothing (``moe_sorted``'s contract; ``k3jax.sharding``).
     bm: pairs per row tile; ``interpret``: run the kernels in Pallas' Mosaic GPU interpreter (CPU)."""
-    _check_moe_operands(x, w1, w3, w2, weights, experts)
+    check_moe_operands(x, w1, w3, w2, weights, experts)
     if x.dtype != jnp.bfloat16:
         raise ValueError(f"x must be bf16 (the grouped Mosaic GPU kernel's operand), got {x.dtype}")
     T, k = experts.shape

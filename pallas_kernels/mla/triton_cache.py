@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from k3jax.implementation import pallas_interpret
+from pallas_kernels import _platform
 from k3jax.typing import Array
 from pallas_kernels._triton import triton_params
 
@@ -80,7 +80,7 @@ def write_latents(c: Array, norm_weight: Array, eps: float, c_kv: Array, k_pe: A
         raise ValueError(f"norm_weight must be [R] = [{R}], got {norm_weight.shape}")
     if positions.shape != (B,) or not jnp.issubdtype(positions.dtype, jnp.integer):
         raise ValueError(f"positions must be integer [B] = [{B}], got {positions.dtype} {positions.shape}")
-    interpret = pallas_interpret() if interpret is None else interpret
+    interpret = _platform.interpret() if interpret is None else interpret
     return _write_latents(c, norm_weight, positions.astype(jnp.int32), c_kv, k_pe, eps=float(eps),
                           interpret=interpret)
 

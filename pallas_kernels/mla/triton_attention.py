@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from k3jax.implementation import pallas_interpret
+from pallas_kernels import _platform
 from k3jax.typing import Array
 from pallas_kernels._triton import MIN_DOT, check_dot_widths, dot_width, online_softmax_step, triton_params
 
@@ -136,7 +136,7 @@ def prefill_attention(q_nope: Array, q_pe: Array, k_nope: Array, k_pe: Array, v:
         raise ValueError(f"prefill_attention: positions must be integers, got {positions.dtype}")
     if T == 0 or S == 0:
         raise ValueError(f"prefill_attention: needs at least one query and one key, got T = {T}, S = {S}")
-    interpret = pallas_interpret() if interpret is None else interpret
+    interpret = _platform.interpret() if interpret is None else interpret
     if not interpret and not prefill_attention_runs(N, P, V):
         raise ValueError(f"prefill_attention: head widths (nope {N}, rope {P}, value {V}) must be powers of two "
                          f">= {MIN_DOT} on a GPU")

@@ -1,11 +1,15 @@
 """Fused routed-expert MoE for a few tokens as two kernels: no sort, no scatter and no atomics.
 
-``fused_moe_mx_split`` computes what ``moe.fused_moe_mx`` does (see there) in two kernels:
+``fused_moe_mx_split(x, w1, w3, w2, weights, experts, act)`` computes, for x [T, R] and each of its k
+(token, expert) pairs, ``y[t] += weight * act(x[t] w1[e]^T, x[t] w3[e]^T) w2[e]^T`` with MXFP4 expert
+stacks w1, w3 [E, F, R] and w2 [E, R, F] (the released layout). The sorted dispatch needs an argsort, a
+bincount, a gather, three grouped matmuls and a scatter per layer; at decode sizes those small kernels
+cost more than the weights take to stream. Two kernels:
 
 1. the hidden kernel, one program per (pair, block of bf hidden units): gate and up for its bf rows
    of w1 and w3 by one-row products (decoded codes times the matching even / odd columns of x on
    the CUDA cores), then h = act(gate, up), rounded to x's dtype as the reference's matmul outputs
-   are, into a float32 buffer h [T*k, F] (or planar: ``PLANAR_H_MAX_TOKENS``);
+   are, into a float32 buffer h [T*k, F] (or planar: ``KernelPolicy.split_moe_planar_h_max_tokens``);
 2. the down kernel, one program per (token, block of br output rows): for each of the token's k
    pairs and each tile of bfb hidden units, w2[e]'s br rows times the pair's h scaled by its
    routing weight; each output row is written once.
@@ -15,14 +19,13 @@ elementwise, float32 [rows, tile width / 2], reducing across threads once at the
 cross-thread reduction puts a barrier in the program, and no load is issued ahead of a barrier, so
 a reduction per tile would make every tile a DRAM round trip of its own. Every routed weight byte is
 read once per pair, and each output sum is made in one order (the step repeats bitwise). Measured
-on the H200 (benchmarks/RESULTS.md, eleventh and twelfth sessions): the `mini` decode step 6-8%
-faster than with the one-kernel MoE at 2, 4 and 8 tokens, where the one kernel's atomic adds from
-k * F / bf programs meet on each token's output rows; at one token, with one output row per down
-program, 12% faster than the one kernel per MoE layer with the weights coming from DRAM (15.2
-against 17.2 us) and 0.885 against 0.902 ms per step.
+on the H200 (benchmarks/HISTORY.md, 2026-12-01): the `mini` decode step 6-8% faster than with a
+one-kernel form (since removed) at 2, 4 and 8 tokens, where its atomic adds from k * F / bf programs
+met on each token's output rows; at one token, with one output row per down program, 15.2 against
+17.2 us a MoE layer with the weights coming from DRAM.
 
 ``routed_moe_mx_split`` takes the router's logits instead of the chosen pairs: every hidden program
-picks its own pair's expert and weight (``pallas_kernels.route.expert_ranks``) and block 0 of each
+picks its own pair's expert and weight (``pallas_kernels.moe.triton_select.expert_ranks``) and block 0 of each
 pair writes them for the down kernel, so the separate selection kernel (one launch a layer, most of
 its 3.5 us at batch 1) does not run.
 """
@@ -36,14 +39,15 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from k3jax.implementation import pallas_interpret
+from k3jax.implementation import current
+from pallas_kernels import _platform
 from k3jax.mx import BLOCK, MXTensor
 from k3jax.typing import Array
 from pallas_kernels._triton import triton_params
-from pallas_kernels.mx_matmul.kernel import MXBlocks, decode_weight_planes
-from pallas_kernels.mx_matmul.moe import _check_moe_operands, _check_stack_offsets, _stack_views
-from pallas_kernels.mx_matmul.ops import _largest_pow2_divisor
-from pallas_kernels.route import check_router_inputs, expert_ranks, padded_router_inputs, slot_expert, slot_weight
+from pallas_kernels.mx_matmul.triton import MXBlocks, decode_weight_planes
+from pallas_kernels.moe.operands import check_moe_operands, check_stack_offsets, stack_views
+from pallas_kernels.mx_matmul.layout import largest_pow2_divisor
+from pallas_kernels.moe.triton_select import check_router_inputs, expert_ranks, padded_router_inputs, slot_expert, slot_weight
 
 
 def _accumulate(acc: Array, tile: tuple[Array, Array], vectors: tuple[Array, Array], method: str,
@@ -114,7 +118,7 @@ def _routed_hidden_kernel(logits_ref, bias_ref, x_ref, w1c_ref, w1s_ref, w3c_ref
                           weights_ref, *, k: int, renormalize: bool, scaling: float, **products):
     """Refs: router logits [T, E'] float32 (padding lanes -inf), correction bias [1, E'], then as
     ``_hidden_products``; outputs experts [T*k] int32 and weights [T*k] float32 (block 0 of each pair
-    writes its pair's). Every program picks its pair's expert itself (``pallas_kernels.route``'s ranks); the
+    writes its pair's). Every program picks its pair's expert itself (``pallas_kernels.moe.triton_select``'s ranks); the
     weight and the stores are traced after the products, so the weight loads wait only for the expert."""
     pair, block = pl.program_id(0), pl.program_id(1)
     token = pair // k
@@ -183,7 +187,7 @@ def _down_call(experts, weights, h, w2: MXTensor, T: int, R: int, down_blocks: M
         compiler_params=triton_params(down_blocks.num_warps, down_blocks.num_stages, interpret),
         interpret=interpret,
         name="fused_moe_down",
-    )(experts, weights, h, *_stack_views(w2, False))
+    )(experts, weights, h, *stack_views(w2, False))
 
 
 def _products(x, blocks: MXBlocks, act, planar: bool, interpret: bool) -> dict:
@@ -199,7 +203,7 @@ def _fused_moe_mx_split(x, w1, w3, w2, weights, experts, *, act, blocks: MXBlock
     experts, weights = experts.reshape(-1).astype(jnp.int32), weights.reshape(-1).astype(jnp.float32)
     kernel = functools.partial(_hidden_kernel, k=k, **_products(x, blocks, act, planar, interpret))
     h = _hidden_call(kernel, T, k, w1.shape[1], blocks, (), planar, interpret)(
-        experts, x.astype(jnp.bfloat16), *_stack_views(w1, False), *_stack_views(w3, False))[0]
+        experts, x.astype(jnp.bfloat16), *stack_views(w1, False), *stack_views(w3, False))[0]
     return _down_call(experts, weights, h, w2, T, R, down_blocks, out_dtype, blocks.decode, interpret)
 
 
@@ -213,7 +217,7 @@ def _routed_moe_mx_split(x, w1, w3, w2, logits, correction_bias, *, act, k: int,
                                **_products(x, blocks, act, planar, interpret))
     pairs = (jax.ShapeDtypeStruct((T * k,), jnp.int32), jax.ShapeDtypeStruct((T * k,), jnp.float32))
     h, experts, weights = _hidden_call(kernel, T, k, w1.shape[1], blocks, pairs, planar, interpret)(
-        logits, bias, x.astype(jnp.bfloat16), *_stack_views(w1, False), *_stack_views(w3, False))
+        logits, bias, x.astype(jnp.bfloat16), *stack_views(w1, False), *stack_views(w3, False))
     return _down_call(experts, weights, h, w2, T, R, down_blocks, out_dtype, blocks.decode, interpret)
 
 
@@ -225,34 +229,28 @@ SPLIT_MOE_DOWN_BLOCKS = MXBlocks(bm=1, bn=8, bk=256, num_warps=4, num_stages=1, 
 # One token: one output row per down program (1024 programs at `mini`), from the twelfth session's sweep
 # with the weights from DRAM (15.2 us a layer against 16.0 with the tiles above; at 8 tokens 79.9 against 63.5).
 SPLIT_MOE_DOWN_BLOCKS_ONE_TOKEN = MXBlocks(bm=1, bn=1, bk=256, num_warps=2, num_stages=1, gemv=True)
-SPLIT_MIN_TOKENS = 1  # tokens from which the MoE layer takes these two kernels over the one-kernel MoE
 # h between the two kernels, planar: [T*k, F/32, 2, 16], each block of 32 hidden units stored as its 16 even
 # units, then its 16 odd ones, so the down kernel loads each plane of h whole, in the layout of the decoded
 # w2 tile it multiplies. Interleaved ([T*k, F]), the down kernel reads each plane with stride 2, in a layout
-# Triton converts to the tile's through shared memory: two conversions per tile, 96 barriers a program at
-# `mini`'s one-token down tiles, one planar (sm_90 SASS by benchmarks/triton_sass.py, nineteenth session).
-# At 8 tokens (down tiles of 8 rows) the down kernel keeps its 96 conversions either way. Planar up to this
-# many tokens (0: never): on the H200 the batch-1 MoE chain took 22.6 us a layer planar against 24.0
-# interleaved, and the 8-token step was no faster (benchmarks/RESULTS.md, issue 4, twentieth session).
-# Read at the call.
-PLANAR_H_MAX_TOKENS = 1
+# Triton converts to the tile's through shared memory (two conversions per tile). Planar up to
+# ``KernelPolicy.split_moe_planar_h_max_tokens`` tokens.
 
 
 def _fit(w1: MXTensor, tokens: int, blocks: MXBlocks | None, down_blocks: MXBlocks | None
          ) -> tuple[MXBlocks, MXBlocks, bool]:
     """The tiles shrunk to fit w1's F and R (see ``fused_moe_mx_split``); where not given, the module's
     defaults as they are at the call (so a benchmark can switch them), the down tiles by the token count;
-    and whether h is planar at this token count (``PLANAR_H_MAX_TOKENS``, read at the call). A planar h
+    and whether h is planar at this token count (``KernelPolicy.split_moe_planar_h_max_tokens``). A planar h
     needs an even and an odd unit in each hidden program."""
-    planar = tokens <= PLANAR_H_MAX_TOKENS
+    planar = tokens <= current().policy.split_moe_planar_h_max_tokens
     _, F, R = w1.shape
     blocks = SPLIT_MOE_BLOCKS if blocks is None else blocks
     if down_blocks is None:
         down_blocks = SPLIT_MOE_DOWN_BLOCKS_ONE_TOKEN if tokens == 1 else SPLIT_MOE_DOWN_BLOCKS
-    scale_blocks = lambda n, cap: BLOCK * _largest_pow2_divisor(n // BLOCK, max(cap // BLOCK, 1))
-    bn = _largest_pow2_divisor(F, max(blocks.bn, 2 if planar else 1))
+    scale_blocks = lambda n, cap: BLOCK * largest_pow2_divisor(n // BLOCK, max(cap // BLOCK, 1))
+    bn = largest_pow2_divisor(F, max(blocks.bn, 2 if planar else 1))
     blocks = dataclasses.replace(blocks, bn=bn, bk=scale_blocks(R, blocks.bk))
-    down_blocks = dataclasses.replace(down_blocks, bn=_largest_pow2_divisor(R, down_blocks.bn),
+    down_blocks = dataclasses.replace(down_blocks, bn=largest_pow2_divisor(R, down_blocks.bn),
                                       bk=scale_blocks(F, down_blocks.bk))
     return blocks, down_blocks, planar
 
@@ -260,17 +258,20 @@ def _fit(w1: MXTensor, tokens: int, blocks: MXBlocks | None, down_blocks: MXBloc
 def fused_moe_mx_split(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, weights: Array, experts: Array, act, *,
                        blocks: MXBlocks | None = None, down_blocks: MXBlocks | None = None,
                        out_dtype=None, interpret: bool | None = None) -> Array:
-    """``fused_moe_mx``'s result (same arguments; x rounded to bf16 in the kernel) by two kernels.
+    """Routed experts for a few tokens: x [T, R] (bf16/f32; rounded to bf16 in the kernel), MXFP4 stacks
+    w1, w3 [E, F, R] and w2 [E, R, F], weights float32 [T, k], experts int32 [T, k], act(gate, up) ->
+    hidden. Returns the sum over the k pairs of weight * expert(x), [T, R] in ``out_dtype`` (default x's
+    dtype; float32 accumulation, so float32 is the sums unrounded).
     Tiles (shrunk to fit; by default ``SPLIT_MOE_BLOCKS``): ``blocks.bn`` hidden units per program (a
     power of two dividing F), ``blocks.bk`` contracted elements per tile (32 times a power of two, dividing R);
     ``down_blocks.bn`` output rows per program (a power of two dividing R), ``down_blocks.bk``
     hidden units per tile (32 times a power of two, dividing F); by default
     ``SPLIT_MOE_DOWN_BLOCKS_ONE_TOKEN`` for one token, else ``SPLIT_MOE_DOWN_BLOCKS``. Each program
     unrolls its tiles, so R / blocks.bk and k * F / down_blocks.bk set the kernels' code size."""
-    _check_moe_operands(x, w1, w3, w2, weights, experts)
+    check_moe_operands(x, w1, w3, w2, weights, experts)
     blocks, down_blocks, planar = _fit(w1, x.shape[0], blocks, down_blocks)
-    interpret = pallas_interpret() if interpret is None else interpret
-    _check_stack_offsets(w1, w3, w2, interpret)
+    interpret = _platform.interpret() if interpret is None else interpret
+    check_stack_offsets(w1, w3, w2, interpret)
     return _fused_moe_mx_split(x, w1, w3, w2, weights, experts, act=act, blocks=blocks, down_blocks=down_blocks,
                                out_dtype=jnp.dtype(x.dtype if out_dtype is None else out_dtype), planar=planar,
                                interpret=interpret)
@@ -282,7 +283,7 @@ def routed_moe_mx_split(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, logi
                         interpret: bool | None = None) -> Array:
     """The router's selection and ``fused_moe_mx_split`` in the same two kernels: from the router logits
     [T, E] (float32) and correction bias [E], each hidden program picks its pair's expert and weight
-    (``pallas_kernels.route.expert_ranks``: ``select_experts``' k, renormalize and scaling factor), so
+    (``pallas_kernels.moe.triton_select.expert_ranks``: ``select_experts``' k, renormalize and scaling factor), so
     no selection kernel runs before them; the down kernel reads the pairs the hidden kernel wrote.
     Other arguments as ``fused_moe_mx_split``."""
     check_router_inputs(logits, correction_bias, k)
@@ -290,15 +291,15 @@ def routed_moe_mx_split(x: Array, w1: MXTensor, w3: MXTensor, w2: MXTensor, logi
     if x.ndim != 2 or T != x.shape[0] or E != w1.shape[0]:
         raise ValueError(f"x [T, R] = {x.shape}, logits [T, E] = {logits.shape} and w1 [E, F, R] = {w1.shape} disagree")
     pairs = jax.ShapeDtypeStruct((T, k), jnp.int32)
-    _check_moe_operands(x, w1, w3, w2, pairs, pairs)
+    check_moe_operands(x, w1, w3, w2, pairs, pairs)
     blocks, down_blocks, planar = _fit(w1, T, blocks, down_blocks)
-    interpret = pallas_interpret() if interpret is None else interpret
-    _check_stack_offsets(w1, w3, w2, interpret)
+    interpret = _platform.interpret() if interpret is None else interpret
+    check_stack_offsets(w1, w3, w2, interpret)
     return _routed_moe_mx_split(x, w1, w3, w2, logits, correction_bias, act=act, k=k, renormalize=renormalize,
                                 scaling=float(scaling_factor), blocks=blocks, down_blocks=down_blocks,
                                 out_dtype=jnp.dtype(x.dtype if out_dtype is None else out_dtype), planar=planar,
                                 interpret=interpret)
 
 
-__all__ = ["PLANAR_H_MAX_TOKENS", "SPLIT_MIN_TOKENS", "SPLIT_MOE_BLOCKS", "SPLIT_MOE_DOWN_BLOCKS",
+__all__ = ["SPLIT_MOE_BLOCKS", "SPLIT_MOE_DOWN_BLOCKS",
            "SPLIT_MOE_DOWN_BLOCKS_ONE_TOKEN", "fused_moe_mx_split", "routed_moe_mx_split"]

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from k3jax.implementation import pallas_interpret
+from pallas_kernels import _platform
 from k3jax.typing import Array
 from pallas_kernels._triton import triton_params
 
@@ -148,7 +148,7 @@ def conv_silu_chunk(xs: Sequence[Array], taps: Sequence[Array], state: Array, *,
     (``k3jax.functional.conv.last_inputs``)."""
     xs, taps = tuple(xs), tuple(taps)
     _check_operands(xs, taps, state, "[B, T, F]", 3)
-    interpret = pallas_interpret() if interpret is None else interpret
+    interpret = _platform.interpret() if interpret is None else interpret
     return _conv_silu_chunk(xs, tuple(w.astype(_F32) for w in taps), state, interpret=interpret)
 
 
@@ -160,7 +160,7 @@ def conv_silu_step(xs: Sequence[Array], taps: Sequence[Array], state: Array, *,
     longer needs it, as in a decode step with a donated cache)."""
     xs, taps = tuple(xs), tuple(taps)
     _check_operands(xs, taps, state, "[B, F]", 2)
-    interpret = pallas_interpret() if interpret is None else interpret
+    interpret = _platform.interpret() if interpret is None else interpret
     return _conv_silu_step(xs, tuple(w.astype(_F32) for w in taps), state, interpret=interpret)
 
 

@@ -31,7 +31,7 @@ residual adds after a layer's last projection, and a MoE's shared-expert output)
 kernel follows the matvec.
 
 Short-conv epilogue (``conv``): the first outputs can go on through one decode step of KDA's causal
-short convolutions and SiLU, with the conv state updated where it lies (``pallas_kernels.short_conv``'s
+short convolutions and SiLU, with the conv state updated where it lies (``pallas_kernels.kda.triton_short_conv``'s
 arithmetic): a program owns its output rows' channels, so it reads their state and taps, and writes
 their state, alone. The conv kernel (and its launch) between the projections and their reader goes.
 
@@ -62,10 +62,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from k3jax.implementation import pallas_interpret
+from pallas_kernels import _platform
 from k3jax.typing import Array
 from pallas_kernels._triton import triton_params
-from pallas_kernels.short_conv import conv_silu_values
+from pallas_kernels.kda.triton_short_conv import conv_silu_values
 
 MAX_ROWS = 16
 DOT_ROWS = 16  # x's rows as the matrix units' operand (MAX_ROWS padded; Triton's dot needs >= 16)
@@ -377,7 +377,7 @@ def matvecs(x: Array, weights: Sequence[Array], out_dtypes: Sequence | None = No
     x'.dtype). ``add``: per weight, arrays [M, N_i] in its output dtype added to its output in turn,
     each sum rounded to that dtype (as ``y + a`` would be), so that no XLA add follows the kernel.
     ``conv`` = (taps, state): the first n = len(taps) outputs (no addends) go on through one step of
-    short causal convs and SiLU, as ``pallas_kernels.short_conv.conv_silu_step`` with their rounded
+    short causal convs and SiLU, as ``pallas_kernels.kda.triton_short_conv.conv_silu_step`` with their rounded
     values as its inputs: taps[i] [N_i, W] float32, state [M, W-1, N_0 + ... + N_{n-1}] float32; those
     outputs are float32, and the state moved up one token comes last (written over the state's
     buffer). One kernel for all the weights. ``blocks`` default: ``DEFAULT_BLOCKS``, read at each call."""
@@ -417,7 +417,7 @@ def matvecs(x: Array, weights: Sequence[Array], out_dtypes: Sequence | None = No
     blocks = blocks or DEFAULT_BLOCKS
     if conv is not None:
         _check_conv(taps, state, weights, add, x.shape[0], blocks)
-    interpret = pallas_interpret() if interpret is None else interpret
+    interpret = _platform.interpret() if interpret is None else interpret
     return _matvecs(x, second, norm_weight, weights, add, taps, state,
                     out_dtypes=tuple(jnp.dtype(d) for d in out_dtypes), prologue=prologue, blocks=blocks,
                     interpret=interpret)

@@ -11,7 +11,7 @@ program (``SELECT_BLOCK_LOGITS``). Triton needs power-of-two widths: E and k are
 unused slots dropped), and the tokens to whole blocks.
 
 ``expert_ranks``, ``slot_expert`` and ``slot_weight`` make one slot's choice inside another kernel (the
-batch-1 routed MoE's hidden kernel, ``pallas_kernels.mx_matmul.moe_split``, which needs the expert before
+batch-1 routed MoE's hidden kernel, ``pallas_kernels.moe.triton_split``, which needs the expert before
 its weight loads and the weight only at its end): each expert's rank is the number of experts ahead of it
 (a larger score + bias, or an equal one at a lower index), so one [E, E] comparison and three sums replace
 the k rounds of three reductions each.
@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from k3jax.implementation import pallas_interpret
+from pallas_kernels import _platform
 from k3jax.typing import Array
 from pallas_kernels._triton import triton_params
 
@@ -133,14 +133,14 @@ def _select(logits, correction_bias, *, k, renormalize, scaling_factor, block_lo
 
 
 def select_experts(logits: Array, correction_bias: Array, k: int, renormalize: bool, scaling_factor: float, *,
-                   interpret: bool | None = None) -> tuple[Array, Array]:
+                   block_logits: int = SELECT_BLOCK_LOGITS, interpret: bool | None = None) -> tuple[Array, Array]:
     """logits [T, E] (the router's x . gate_weight^T, float32), correction_bias [E] -> (weights
     [T, k] float32, experts [T, k] int32), as ``k3jax.functional.moe.select_experts``; blocks of tokens per
-    program by ``SELECT_BLOCK_LOGITS``, read at the call."""
+    program: as many as make ``block_logits`` logits (at least one token)."""
     check_router_inputs(logits, correction_bias, k)
-    interpret = pallas_interpret() if interpret is None else interpret
+    interpret = _platform.interpret() if interpret is None else interpret
     return _select(logits, correction_bias, k=k, renormalize=renormalize, scaling_factor=float(scaling_factor),
-                   block_logits=SELECT_BLOCK_LOGITS, interpret=interpret)
+                   block_logits=block_logits, interpret=interpret)
 
 
 __all__ = ["check_router_inputs", "expert_ranks", "padded_router_inputs", "select_experts", "slot_expert",
