@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from k3jax import arguments
 from k3jax.model import K3Model
 from k3jax.sampling import Sampling, sample, token_logprobs
 from k3jax.typing import Array
@@ -104,14 +105,12 @@ class Generator:
         scan_layers: bool = False, attend_block: int = 256, steps_per_call: int = DEFAULT_STEPS_PER_CALL,
         deterministic: bool = False,
     ):
-        if max_len < 2:
-            raise ValueError(f"max_len: must be at least 2, got {max_len}")
-        if prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk: must be positive, got {prefill_chunk}")
-        if attend_block < 1:
-            raise ValueError(f"attend_block: must be positive, got {attend_block}")
-        if steps_per_call < 1:
-            raise ValueError(f"steps_per_call: must be positive, got {steps_per_call}")
+        if not isinstance(model, K3Model):
+            raise TypeError(f"model: expected a K3Model, got {type(model).__name__}")
+        max_len = arguments.integer("max_len", max_len, minimum=2)
+        prefill_chunk = arguments.integer("prefill_chunk", prefill_chunk, minimum=1)
+        attend_block = arguments.integer("attend_block", attend_block, minimum=1)
+        steps_per_call = arguments.integer("steps_per_call", steps_per_call, minimum=1)
         self.cfg = model.cfg
         self.max_len, self.prefill_chunk, self.scan_layers = max_len, prefill_chunk, scan_layers
         self.attend_block, self.steps_per_call = attend_block, steps_per_call
@@ -196,7 +195,10 @@ class Generator:
         ``jax.random.fold_in(key, step)`` (``step`` an int32 scalar on the device; None: 0). ``window``: the MLA cache
         positions to read, at least max(positions) + 1 (``self.window`` rounds that to a compiled size); None reads the
         whole cache. Arrays from the host (NumPy, Python numbers) are copied to the device on every call, which on a
-        GPU can hold the host until the previous step has run: pass device arrays."""
+        GPU can hold the host until the previous step has run: pass device arrays. Arguments are checked by shape and
+        dtype, and host data by value too (ids in the vocabulary, positions in the cache, ``window`` covering them);
+        TypeError or ValueError name the argument."""
+        tokens, positions, window = self._decode_arguments(tokens, positions, key, sampling, window, step, steps=1)
         step = self._step0 if step is None else step
         return self._decode(self._weights, tokens, cache, positions, key, step, sampling=sampling, window=window)[:3]
 
@@ -207,40 +209,57 @@ class Generator:
         """``steps`` decode steps in one compiled call, each feeding its sampled tokens to the next: as ``steps``
         calls of ``decode_step`` (the same tokens), with one dispatch from the host -> (tokens [steps, B], their
         logprobs [steps, B] (``token_logprobs``), cache).
-        ``window`` must cover max(positions) + steps; positions past max_len - 1 are held there."""
+        ``window`` must cover max(positions) + steps; positions past max_len - 1 are held there. Arguments are checked
+        as ``decode_step``'s, and ``steps`` is a positive integer."""
+        steps = arguments.integer("steps", steps, minimum=1)
+        tokens, positions, window = self._decode_arguments(tokens, positions, key, sampling, window, step, steps)
         step = self._step0 if step is None else step
         out = self._decode_steps(self._weights, tokens, cache, positions, key, step, sampling=sampling,
                                  window=window, steps=steps)
         return out[0], out[1], out[3]
 
+    def _decode_arguments(self, tokens, positions, key, sampling, window, step, steps: int):
+        """The decode calls' arguments checked -> (tokens, positions, window) as the compiled call takes them. A
+        device array is checked by shape and dtype only (reading its values would wait for the device); host data
+        by value too, ``window`` against the positions the ``steps`` steps write."""
+        tokens = arguments.ids("tokens", tokens, self.cfg.vocab_size, ("B",), read_device=False)
+        positions = arguments.ids("positions", positions, self.max_len, ("B",), kind="position", of="the cache",
+                                  read_device=False)
+        if positions.shape != tokens.shape:
+            raise ValueError(f"positions: shape {tuple(positions.shape)}, not tokens' {tuple(tokens.shape)}: one "
+                             f"position per sequence")
+        arguments.random_key("key", key)
+        _check_sampling(sampling)
+        if step is not None:
+            arguments.integer_scalar("step", step)
+        if window is None:
+            return tokens, positions, window
+        window = arguments.integer("window", window, minimum=1, maximum=self.max_len)
+        if isinstance(positions, np.ndarray) and window < min(int(positions.max()) + steps, self.max_len):
+            raise ValueError(f"window: {window} cache positions do not cover position {int(positions.max())} + "
+                             f"{steps} step(s); use self.window(max(positions) + steps) or None")
+        return tokens, positions, window
+
     def init_cache(self, batch: int) -> list:
         """An empty cache for ``batch`` sequences, made by one compiled call (made op by op, its zeros cost a GPU's
         host about 8 ms before a prompt's first chunk could start: benchmarks/RESULTS.md, issue 4, thirty-third
         session)."""
-        return self._init_cache(batch)
+        return self._init_cache(arguments.integer("batch", batch, minimum=1))
 
-    def _check(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
-        if not prompts:
-            raise ValueError("prompts: empty batch; give at least one prompt")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens: must be at least 1, got {max_new_tokens}")
-        vocab = self.cfg.vocab_size
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"prompts[{i}]: empty prompt; give at least one token")
-            bad = [t for t in p if not 0 <= int(t) < vocab]
-            if bad:
-                raise ValueError(f"prompts[{i}]: token id {bad[0]} outside the vocabulary [0, {vocab})")
-            if len(p) + max_new_tokens > self.max_len:
-                raise ValueError(
-                    f"prompts[{i}]: {len(p)} prompt tokens + max_new_tokens {max_new_tokens} exceed the cache "
-                    f"(max_len {self.max_len}); raise max_len or shorten the request"
-                )
-
-    def prefill(self, prompts: Sequence[Sequence[int]], cache: list) -> tuple[Array, list]:
+    def prefill(
+        self, prompts: Sequence[Sequence[int]], cache: list, on_chunk: Callable[[int, int], None] | None = None,
+    ) -> tuple[Array, list]:
         """Run right-padded prompts through the model in chunks. Returns (last-token logits [B, V], cache).
         Each chunk keeps the final hidden state of the prompts that end in it; the output head runs once, after
-        the last chunk."""
+        the last chunk. ``prompts``: lists of token ids or 1-D integer arrays (or one 2-D array), each non-empty,
+        within the vocabulary and at most max_len long (TypeError or ValueError naming the prompt and position).
+        ``on_chunk(tokens done, tokens in the longest prompt)`` is called as each chunk finishes (the host waits for
+        every chunk then, so pass it only to show progress)."""
+        checked = arguments.prompts("prompts", prompts, self.cfg.vocab_size, self.max_len)
+        return self._prefill(checked, cache, _callable_or_none("on_chunk", on_chunk))
+
+    def _prefill(self, prompts: list[np.ndarray], cache: list, on_chunk) -> tuple[Array, list]:
+        """``prefill`` of prompts already checked."""
         lengths = np.array([len(p) for p in prompts], np.int32)
         chunk = min(self.prefill_chunk, -(-int(lengths.max()) // 16) * 16)
         total = -(-int(lengths.max()) // chunk) * chunk
@@ -255,24 +274,37 @@ class Generator:
                       np.clip(lengths - 1 - s, 0, chunk - 1).astype(np.int32),
                       (lengths - 1 >= s) & (lengths - 1 < s + chunk)) for s in starts]
         last = np.zeros((len(prompts), self.cfg.hidden_size), self._model.embed_tokens.weight.dtype)
+        longest = int(lengths.max())
         inputs, lengths, last = jax.device_put((per_chunk, lengths, last))
         for start, (tokens_in, start_in, index_in, ends_in) in zip(starts, inputs):
             last, cache = self._chunk(self._weights, tokens_in, cache, start_in, lengths, index_in, last, ends_in,
                                       window=self.window(start + chunk))
+            if on_chunk:
+                jax.block_until_ready(last)
+                on_chunk(min(start + chunk, longest), longest)
         return self._logits(self._weights, last), cache
 
     def generate(
         self, prompts: Sequence[Sequence[int]], max_new_tokens: int, sampling: Sampling = Sampling(),
         seed: int = 0, eos_id: int | None = None, on_token: Callable[[np.ndarray, np.ndarray], None] | None = None,
+        on_chunk: Callable[[int, int], None] | None = None,
     ) -> Generation:
         """Generate up to max_new_tokens per prompt; a sequence stops at ``eos_id`` (kept in its output).
         ``on_token(tokens [B], active [B])`` sees each step's tokens as they come (streaming), in bursts of
-        ``steps_per_call``. Each new token's log-probability comes with it (``Generation.logprobs``)."""
-        self._check(prompts, max_new_tokens)
+        ``steps_per_call``; ``on_chunk`` sees the prefill's progress (``prefill``). Each new token's log-probability
+        comes with it (``Generation.logprobs``). Prompts are checked as ``prefill``'s, with room for max_new_tokens
+        (a positive integer) in max_len; every argument's check names it (TypeError or ValueError)."""
+        prompts = arguments.prompts("prompts", prompts, self.cfg.vocab_size, self.max_len,
+                                    arguments.integer("max_new_tokens", max_new_tokens, minimum=1))
+        _check_sampling(sampling)
+        seed = arguments.integer("seed", seed, minimum=-2**63, maximum=2**63 - 1)
+        if eos_id is not None:
+            eos_id = arguments.integer("eos_id", eos_id, minimum=0, maximum=self.cfg.vocab_size - 1)
+        on_token, on_chunk = _callable_or_none("on_token", on_token), _callable_or_none("on_chunk", on_chunk)
         B = len(prompts)
         key = jax.random.key(seed)
         t0 = time.perf_counter()
-        logits, cache = self.prefill(prompts, self.init_cache(B))
+        logits, cache = self._prefill(prompts, self.init_cache(B), on_chunk)
         token, logprob = self._first(logits, key, sampling=sampling)
         token_host = np.asarray(token)
         t1 = time.perf_counter()
@@ -323,6 +355,18 @@ class Generator:
         if pending and active.any():  # else the call after the last stop: nothing to keep
             take(*pending)
         return Generation(out, logprobs, t1 - t0, time.perf_counter() - t2 if timed else 0.0, timed)
+
+
+def _check_sampling(sampling) -> None:
+    if not isinstance(sampling, Sampling):
+        raise TypeError(f"sampling: expected a Sampling (k3jax.sampling.Sampling(temperature, top_k, top_p)), got "
+                        f"{sampling!r}")
+
+
+def _callable_or_none(name: str, value):
+    if value is not None and not callable(value):
+        raise TypeError(f"{name}: expected a function or None, got {type(value).__name__}")
+    return value
 
 
 __all__ = ["DEFAULT_PREFILL_CHUNK", "DEFAULT_STEPS_PER_CALL", "DETERMINISTIC_GPU_OPTIONS", "Generator", "Generation"]

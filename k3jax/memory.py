@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from k3jax.arguments import integer
 from k3jax.config import K3Config
 from k3jax.param_count import count_params
 
@@ -28,8 +29,10 @@ class MemoryEstimate(NamedTuple):
 
 
 def estimate(cfg: K3Config, context: int, batch: int = 1, cache_bytes: int = 2) -> MemoryEstimate:
-    if context < 1 or batch < 1:
-        raise ValueError(f"context and batch must be positive, got context={context}, batch={batch}")
+    """Bytes for ``batch`` sequences of ``context`` tokens, MLA latents stored in ``cache_bytes`` per value; each of
+    the three a positive integer (TypeError or ValueError naming it otherwise)."""
+    context, batch = integer("context", context, minimum=1), integer("batch", batch, minimum=1)
+    cache_bytes = integer("cache_bytes", cache_bytes, minimum=1)
     counts = count_params(cfg)
     expert_bytes = MXFP4_BYTES if cfg.mx_experts else 2
     weights = (counts.total - counts.routed_experts) * 2 + counts.routed_experts * expert_bytes
@@ -46,6 +49,7 @@ def _gib(n: float) -> str:
 
 
 def report(cfg: K3Config, context: int, batch: int = 1, cache_bytes: int = 2) -> str:
+    """``estimate``'s numbers as a table in GiB, one line each."""
     m = estimate(cfg, context, batch, cache_bytes)
     return "\n".join([
         f"{cfg.name}: context {context:,} tokens, batch {batch}",

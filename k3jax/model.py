@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from k3jax.arguments import ids
 from k3jax.config import K3Config
 from k3jax.layers.attn_res import AttnRes
 from k3jax.layers.basic import Embed, Keys, Linear, RMSNorm, Rngs
@@ -271,7 +272,10 @@ class K3Model(nnx.Module):
         """Full causal forward of tokens [B, T] (no cache): logits [B, T, V] float32.
 
         ``scan_layers`` runs repeated layer groups under ``lax.scan`` (compiles a few layer bodies;
-        stacks their weights on every call); False unrolls every layer (longer compile, no copies)."""
+        stacks their weights on every call); False unrolls every layer (longer compile, no copies). ``tokens``: an
+        integer array or nested lists, ids in [0, vocab_size), checked by value unless traced (under jit: shape and
+        dtype only); TypeError or ValueError name the argument."""
+        tokens = ids("tokens", tokens, self.cfg.vocab_size, ("B", "T"))
         logits, mix, _ = self._forward(tokens, None, None, scan_layers)
         if not return_mix_weights:
             return logits

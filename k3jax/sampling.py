@@ -12,24 +12,23 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from k3jax.arguments import integer, real
 from k3jax.typing import Array
 
 
 @dataclass(frozen=True)
 class Sampling:
-    """temperature 0 is greedy; top_k 0 and top_p 1.0 switch those filters off."""
+    """temperature 0 is greedy; top_k 0 and top_p 1.0 switch those filters off. The temperature is a finite number
+    >= 0, top_k an integer >= 0, top_p a number in (0, 1]: anything else raises TypeError or ValueError."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k: must be >= 0 (0 = off), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
+        real("temperature", self.temperature, minimum=0.0)
+        integer("top_k", self.top_k, minimum=0)
+        real("top_p", self.top_p, maximum=1.0, above=0.0)
 
     @property
     def greedy(self) -> bool:

@@ -1,4 +1,4 @@
-"""Tokenizers: the released tiktoken BPE (``tiktoken.model``) when present, else a byte-level fallback."""
+"""Tokenizers: the released tiktoken BPE (``tiktoken.model``) when a checkpoint ships one, else byte-level."""
 
 from __future__ import annotations
 
@@ -18,6 +18,10 @@ _KIMI_PATTERN = "|".join([
     r"""\s+(?!\S)""",
     r"""\s+""",
 ])
+
+
+class TokenizerError(Exception):
+    """A checkpoint's tokenizer cannot be used: ``tiktoken`` is not installed, or a tokenizer file is malformed."""
 
 
 class Tokenizer(Protocol):
@@ -44,22 +48,15 @@ class ByteTokenizer:
 
 class TiktokenTokenizer:
     """The released BPE: ``tiktoken.model`` (base64 token, rank per line) plus the special tokens of
-    ``tokenizer_config.json`` (``added_tokens_decoder``), if present."""
+    ``tokenizer_config.json`` (``added_tokens_decoder``), if present. Raises ``TokenizerError`` naming the file and
+    line of a malformed entry."""
 
     def __init__(self, folder: str | Path):
         import tiktoken
 
         folder = Path(folder)
-        ranks = {}
-        for line in (folder / "tiktoken.model").read_text().splitlines():
-            if line.strip():
-                token, rank = line.split()
-                ranks[base64.b64decode(token)] = int(rank)
-        special = {}
-        cfg_path = folder / "tokenizer_config.json"
-        if cfg_path.exists():
-            added = json.loads(cfg_path.read_text()).get("added_tokens_decoder", {})
-            special = {v["content"]: int(k) for k, v in added.items()}
+        ranks = _ranks(folder / "tiktoken.model")
+        special = _special_tokens(folder / "tokenizer_config.json")
         self._enc = tiktoken.Encoding("kimi", pat_str=_KIMI_PATTERN, mergeable_ranks=ranks, special_tokens=special)
         self.vocab_size = max([*ranks.values(), *special.values()]) + 1
         self.eos_id = special.get("[EOS]", special.get("<|im_end|>"))
@@ -71,15 +68,45 @@ class TiktokenTokenizer:
         return self._enc.decode(ids)
 
 
+def _ranks(path: Path) -> dict[bytes, int]:
+    """``tiktoken.model``: one base64 token and its rank per line (blank lines skipped)."""
+    ranks = {}
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except ValueError:  # a wrong field count, bad base64 (binascii.Error) or a rank that is no integer
+            raise TokenizerError(f"{path}: line {number}: expected '<base64 token> <rank>', "
+                                 f"got {line[:60]!r}") from None
+    return ranks
+
+
+def _special_tokens(path: Path) -> dict[str, int]:
+    """``tokenizer_config.json``'s ``added_tokens_decoder`` as {text: id}; none without the file."""
+    if not path.exists():
+        return {}
+    try:
+        added = json.loads(path.read_text()).get("added_tokens_decoder", {})
+        return {entry["content"]: int(key) for key, entry in added.items()}
+    except (ValueError, AttributeError, KeyError, TypeError) as err:
+        raise TokenizerError(f"{path}: cannot read added_tokens_decoder, expected {{id: {{'content': text}}}} "
+                             f"({type(err).__name__}: {err})") from None
+
+
 def load_tokenizer(folder: str | Path | None) -> Tokenizer:
-    """The checkpoint folder's tiktoken tokenizer when it ships one (and ``tiktoken`` is installed),
-    else the byte-level fallback."""
+    """The checkpoint folder's tiktoken tokenizer when it ships ``tiktoken.model``, else (no folder, or none in it)
+    the byte-level one. A folder that ships ``tiktoken.model`` on a machine without the ``tiktoken`` package raises
+    ``TokenizerError`` rather than falling back: byte ids fed to a model trained on BPE ids give fluent-looking
+    garbage."""
     if folder is not None and (Path(folder) / "tiktoken.model").exists():
         try:
             return TiktokenTokenizer(folder)
-        except ImportError as err:
-            raise ImportError(f"{folder}/tiktoken.model needs the 'tiktoken' package: pip install tiktoken") from err
+        except ImportError:
+            raise TokenizerError(f"{Path(folder) / 'tiktoken.model'} needs the 'tiktoken' package: "
+                                 f"pip install tiktoken") from None
     return ByteTokenizer()
 
 
-__all__ = ["Tokenizer", "ByteTokenizer", "TiktokenTokenizer", "load_tokenizer"]
+__all__ = ["ByteTokenizer", "TiktokenTokenizer", "Tokenizer", "TokenizerError", "load_tokenizer"]
