@@ -25,8 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from k3jax import Generator, K3Model, preset, use_implementation
-from k3jax.layers import basic
+from k3jax import Generator, K3Model, KernelPolicy, preset, use_implementation
 from k3jax.memory import MXFP4_BYTES
 from k3jax.param_count import count_params
 
@@ -99,7 +98,7 @@ def main() -> None:
     ap.add_argument("--preset", default="mini")
     ap.add_argument("--matvec-rows", type=int, default=None,
                     help="rows up to which the layers' projections take the one-kernel matvecs on the Pallas path "
-                    "(k3jax.layers.basic.MATVEC_KERNEL_ROWS; default: the library's)")
+                    "(KernelPolicy.matvec_max_rows; default: the library's)")
     ap.add_argument("--rounds", type=int, default=10,
                     help="timed rounds of 20 decode steps per batch size (the best is reported, the median beside it)")
     ap.add_argument("--profile", default="", help="XLA dump folder (set XLA_FLAGS to dump there; see "
@@ -110,8 +109,7 @@ def main() -> None:
     ap.add_argument("--profile-gap", type=float, default=0.7,
                     help="us a dependent kernel launch costs on the decode step's critical path (the H200: about 0.7)")
     args = ap.parse_args()
-    if args.matvec_rows is not None:
-        basic.MATVEC_KERNEL_ROWS = args.matvec_rows  # read when a step is traced
+    policy = KernelPolicy() if args.matvec_rows is None else KernelPolicy(matvec_max_rows=args.matvec_rows)
     bw, rate = ceilings()
     print(f"device {jax.devices()[0].device_kind}: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TF/s")
     cfg = preset(args.preset)
@@ -119,7 +117,7 @@ def main() -> None:
     model = K3Model(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16)
     print(f"\n{cfg.name} ({counts.total / 1e9:.2f}B params, {counts.active / 1e9:.2f}B active), impl={args.impl}")
     row = lambda *cells: print(" | ".join(f"{c:>18}" for c in cells), flush=True)  # each as soon as measured
-    with use_implementation(args.impl):
+    with use_implementation(args.impl, policy=policy):
         for batch in [int(b) for b in args.batches.split(",") if b]:
             gen = Generator(model, max_len=args.prompt + 64, prefill_chunk=args.prompt)
             prompts = np.random.default_rng(batch).integers(0, cfg.vocab_size, (batch, args.prompt)).tolist()

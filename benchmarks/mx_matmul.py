@@ -26,14 +26,14 @@ instructions.
 3. Grouped: K3 routed experts (896 experts, 16 per token): gate+up 3584 -> 2 x 3072 and down
    3072 -> 3584, decode batch 1, 8, 64 and prefill 8192 tokens. Peer: ``jax.lax.ragged_dot`` on
    bf16 weights.
-4. MoE: one layer's routed experts (K3 for 1-8 tokens, `mini` for 1 and 8), the fused one-kernel
-   MoE (``fused_moe_mx``) and two-kernel MoE (``fused_moe_mx_split``) against the sorted dispatch
-   through the grouped kernel, and the tiled Mosaic GPU MoE in tiles of ``--moe-bm`` pairs, each timed inside
-   a jitted loop (``--moe-sweep``: both fused forms' tile configurations too, at one token; ``--moe-tokens``:
+4. MoE: one layer's routed experts (K3 for 1-8 tokens, `mini` for 1 and 8), the two-kernel MoE
+   (``pallas_kernels.moe``'s split form) against the sorted dispatch through the grouped kernel, and the tiled
+   Mosaic GPU MoE in tiles of ``--moe-bm`` pairs, each timed inside a jitted loop (``--moe-sweep``: the split
+   form's tile configurations too, at one token; ``--moe-tokens``:
    other token counts, e.g. K3's 2048-token prefill chunk). The loop calls the op on the same experts, so their
    weights stay in L2, and its own small kernels cost about 15 us an iteration on the H200: at one
    token the rows compare L2-hot kernels near that floor, not the decode step's DRAM-bound MoE
-   (benchmarks/RESULTS.md, eleventh session, runs 9 and 10).
+   (benchmarks/HISTORY.md, 2026-12-01).
 
 Each kernel runs a few tile configurations (a failing one is printed and skipped); the best of the
 dot kernels and the best of the one-row gemv kernels (``MXBlocks.gemv``) are reported apart. Times
@@ -60,24 +60,22 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from k3jax.implementation import pallas_interpret  # noqa: E402
 from k3jax.mx import MXTensor  # noqa: E402
 from k3jax.functional.moe import moe_sorted, situ  # noqa: E402
+from pallas_kernels._platform import interpret as pallas_interpret, mosaic_gpu_runs  # noqa: E402
+from pallas_kernels.moe.mosaic_gpu_tiled import tiled_moe_mx  # noqa: E402
+from pallas_kernels.moe.triton_split import (SPLIT_MOE_BLOCKS, SPLIT_MOE_DOWN_BLOCKS_ONE_TOKEN,  # noqa: E402
+                                             fused_moe_mx_split)
 from pallas_kernels.mx_matmul import (  # noqa: E402
     MXBlocks,
     default_blocks,
-    fused_moe_mx,
-    fused_moe_mx_split,
     grouped_mx_matmul,
     grouped_mx_matmul_reference,
     mx_matmul,
     mx_matmul_reference,
-    tiled_moe_mx,
 )
+from pallas_kernels.mx_matmul.layout import kernel_weight_layout  # noqa: E402
 from pallas_kernels.mx_matmul.triton import decode_mxfp4_pallas  # noqa: E402
-from pallas_kernels.moe.operands import FUSED_MOE_BLOCKS, FUSED_MOE_DOWN_ROWS  # noqa: E402
-from pallas_kernels.moe.triton_split import SPLIT_MOE_BLOCKS, SPLIT_MOE_DOWN_BLOCKS_ONE_TOKEN  # noqa: E402
-from pallas_kernels.mx_matmul.ops import _kernel_weight_layout, mosaic_gpu_runs  # noqa: E402
 
 ROWS: list[dict] = []
 
@@ -173,7 +171,7 @@ def check_decode(key) -> None:
     ref = w.decode(jnp.bfloat16)
     ref_planar = jnp.stack([ref[:, 0::2], ref[:, 1::2]], axis=1)
     for decode, interpret in [("ptx", False), ("arith", False), ("ptx", True)]:
-        out = decode_mxfp4_pallas(*_kernel_weight_layout(w, n), blocks=MXBlocks(bn=32, bk=256, decode=decode),
+        out = decode_mxfp4_pallas(*kernel_weight_layout(w, n), blocks=MXBlocks(bn=32, bk=256, decode=decode),
                                   interpret=interpret or pallas_interpret())
         print(f"  decode {decode}{' emulated' if interpret else ''}: bit-exact vs XLA decode: "
               f"{same_bits(out, ref_planar)}", flush=True)
@@ -357,7 +355,7 @@ def dense_configs(m: int) -> list[MXBlocks]:
 def bench_decode(w: MXTensor, quick: bool) -> None:
     """The decode kernel alone: MXFP4 bytes read + bf16 bytes written per second."""
     n, k = w.shape
-    layout = _kernel_weight_layout(w, n)
+    layout = kernel_weight_layout(w, n)
     moved = w.nbytes + 2 * n * k
     configs = [MXBlocks(bn=32, bk=512), MXBlocks(bn=64, bk=256), MXBlocks(bn=64, bk=512, num_warps=8)]
     for blocks in configs[:1] if quick else configs:
@@ -472,18 +470,10 @@ def bench_grouped(key, quick: bool, focus: bool) -> None:
 
 
 MOE_SHAPES = {"K3": ((896, 3072, 3584, 16), (1, 2, 4, 8, 16, 64)), "mini": ((64, 768, 1024, 8), (1, 8, 16, 64))}
-# The fused MoEs are timed up to this many tokens: at K3 never (run 4: slower than the sorted dispatch from one
-# token; the two-kernel MoE's unrolled Triton programs took 6.4 minutes to compile there, run 15)
+# The split MoE is timed up to this many tokens: at K3 never (slower than the sorted dispatch from one token; its
+# unrolled Triton programs took 6.4 minutes to compile there: benchmarks/HISTORY.md, 2026-12-02)
 FUSED_MOE_MAX_TOKENS = {"K3": 0, "mini": 8}
 TILED_MOE_BM = (8, 16)  # pair rows per tile of the tiled Mosaic GPU MoE at decode
-# (hidden units, contracted elements, down-projection rows per atomic add, warps, stages) per program:
-# the fifth session's sweep at mini's shape (benchmarks/RESULTS.md), around today's default
-MOE_SWEEP = [(dataclasses.replace(FUSED_MOE_BLOCKS, bn=bn, bk=bk, num_warps=nw, num_stages=st), rows)
-             for bn, bk, rows, nw, st in [
-                 (32, 256, 128, 2, 2), (32, 512, 128, 4, 2), (32, 1024, 128, 4, 2), (32, 1024, 128, 8, 2),
-                 (32, 1024, 256, 4, 2), (32, 1024, 512, 8, 2), (32, 1024, 1024, 8, 2), (32, 512, 256, 4, 1),
-                 (32, 1024, 256, 4, 1), (32, 1024, 64, 4, 2), (32, 256, 64, 2, 2), (64, 1024, 256, 8, 2),
-                 (64, 512, 128, 4, 2), (32, 1024, 256, 2, 2), (32, 512, 512, 4, 2), (32, 256, 256, 4, 3)]]
 # The two-kernel MoE at one token: (hidden units, contracted elements, warps) of the hidden kernel with the
 # default down kernel, then (output rows, hidden units, warps) of the down kernel with the default hidden kernel
 MOE_SPLIT_SWEEP = (
@@ -497,11 +487,10 @@ MOE_LOOP = 20  # calls per jitted loop: small kernels are timed without host dis
 def bench_moe(key, quick: bool, sweep: bool, shapes: tuple[str, ...] = tuple(MOE_SHAPES),
               tokens_given: tuple[int, ...] = (), tiles: tuple[int, ...] = TILED_MOE_BM) -> None:
     """One MoE layer's routed experts at decode sizes (K3: 896 experts, 16 per token, latent 3584,
-    hidden 3072; `mini`: 64, 8, 1024, 768; SiTU): the fused one-kernel MoE against the sorted
-    dispatch through the grouped kernel (argsort, gather, three grouped calls, scatter), each
-    repeated ``MOE_LOOP`` times inside one jitted loop. ``sweep``: at one token, the fused kernels'
-    tiles too (``MOE_SWEEP``: hidden units and contracted elements per program, down-projection rows per
-    atomic add, warps; ``MOE_SPLIT_SWEEP``: the two-kernel form's). ``tokens_given``: these token counts
+    hidden 3072; `mini`: 64, 8, 1024, 768; SiTU): the two-kernel MoE against the sorted dispatch through
+    the grouped kernel (argsort, gather, three grouped calls, scatter), each repeated ``MOE_LOOP`` times
+    inside one jitted loop. ``sweep``: at one token, the two-kernel form's tiles too (``MOE_SPLIT_SWEEP``).
+    ``tokens_given``: these token counts
     instead of the shape's; ``tiles``: the tiled MoE's pair rows per tile (K3's prefill chunk, 2048 tokens, puts
     37 pairs on an expert: between the decode tiles and `mini`'s prefill density, unmeasured)."""
     for name in shapes:
@@ -509,24 +498,20 @@ def bench_moe(key, quick: bool, sweep: bool, shapes: tuple[str, ...] = tuple(MOE
         print(f"== MoE layer (routed, {name}): {e} experts, top {top_k}, {r} -> {f} -> {r}", flush=True)
         k1, k3, k2, kx, kr = jax.random.split(jax.random.fold_in(key, 7), 5)
         stacks = (random_mx(k1, (e, f, r)), random_mx(k3, (e, f, r)), random_mx(k2, (e, r, f)))
-        fused = lambda blocks, rows: lambda x, wt, ex, *w: fused_moe_mx(x, *w, wt, ex, situ, blocks=blocks,
-                                                                        down_rows=rows)
         matmul = lambda x, w, gs: grouped_mx_matmul(x, w, gs)
         split = lambda blocks, down: lambda x, wt, ex, *w: fused_moe_mx_split(x, *w, wt, ex, situ, blocks=blocks,
                                                                                down_blocks=down)
         tiled = lambda bm: lambda x, wt, ex, *w: tiled_moe_mx(x, *w, wt, ex, situ, bm=bm)
         base = {"pallas sorted dispatch": lambda x, wt, ex, *w: moe_sorted(x, *w, wt, ex, situ, matmul=matmul),
-                "pallas fused MoE (default)": fused(FUSED_MOE_BLOCKS, FUSED_MOE_DOWN_ROWS),
                 "pallas two-kernel MoE (default)": split(SPLIT_MOE_BLOCKS, None)}
         if mosaic_gpu_runs():
             base |= {f"pallas tiled Mosaic GPU MoE bm {bm}": tiled(bm) for bm in tiles}
-        swept = {f"pallas fused MoE {label(b)} rows {rows}": fused(b, rows) for b, rows in MOE_SWEEP}
-        swept |= {f"pallas 2k MoE h {b.bn}x{b.bk} w{b.num_warps} d {d.bn}x{d.bk} w{d.num_warps}": split(b, d)
+        swept = {f"pallas 2k MoE h {b.bn}x{b.bk} w{b.num_warps} d {d.bn}x{d.bk} w{d.num_warps}": split(b, d)
                   for b, d in MOE_SPLIT_SWEEP}
         for tokens in tokens_given or (token_counts[:2] if quick else token_counts):
             variants = {**base, **swept} if sweep and tokens == 1 else base  # the sweep: batch-1 decode only
             if tokens > FUSED_MOE_MAX_TOKENS[name]:
-                variants = {impl: fn for impl, fn in variants.items() if "fused" not in impl and "two-kernel" not in impl}
+                variants = {impl: fn for impl, fn in variants.items() if "two-kernel" not in impl and "2k" not in impl}
             x = jax.random.normal(jax.random.fold_in(kx, tokens), (tokens, r), jnp.float32).astype(jnp.bfloat16)
             _, experts = jax.lax.top_k(jax.random.uniform(jax.random.fold_in(kr, tokens), (tokens, e)), top_k)
             weights = jnp.full((tokens, top_k), 1.0 / top_k, jnp.float32)

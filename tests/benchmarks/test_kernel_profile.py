@@ -1,6 +1,6 @@
-"""The decode step's critical path (benchmarks/kernel_profile.py): the longest chain of dependent kernels in
-an HLO module's entry computation, each weighed by its device time plus a launch gap; and the work a call
-repeats on its weights alone."""
+"""benchmarks/kernel_profile.py: the decode step's critical path (the longest chain of dependent kernels in an
+HLO module's entry computation, each weighed by its device time plus a launch gap), the work a call repeats on its
+weights alone, the time a profile's kernels keep the GPU busy against their span, and the host's events."""
 
 import sys
 from pathlib import Path
@@ -9,9 +9,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))  # after the repo: benchmarks/convert.py is not the package
-from kernel_profile import (DeviceTimes, chain_listing, chain_table, critical_path, entry_operands,  # noqa: E402
-                            source_paths, weight_only, weight_only_table)
+sys.path.append(str(Path(__file__).resolve().parents[2] / "benchmarks"))  # after the repo: benchmarks/convert.py is not the package
+from kernel_profile import (DeviceTimes, DeviceUse, busy_and_span, chain_listing, chain_table,  # noqa: E402
+                            critical_path, device_rounds_table, device_us, entry_operands, host_table, source_paths,
+                            weight_only, weight_only_table)
 
 # Two chains into k3 (k1 -> k3, k2 -> k3 through a tuple and a get-tuple-element) and k4 on its own; a called
 # computation, tuple shapes, a TPU-style layout with parentheses and a backend config holding '%' names
@@ -133,3 +134,42 @@ def test_weight_only_work_in_a_compiled_module():
             reads_x.add(name)
     assert found and not set(found) & reads_x
     assert any(paths.get(name, "").endswith("/mul") for name in found)
+
+
+@pytest.mark.parametrize("intervals, expected", [
+    ([], (0.0, 0.0)),
+    ([(0.0, 2.0)], (2.0, 2.0)),
+    ([(10.0, 1.0), (0.0, 2.0), (5.0, 3.0)], (6.0, 11.0)),  # three apart, given out of order: gaps of 3 and 2
+    ([(0.0, 4.0), (1.0, 2.0), (3.0, 3.0), (8.0, 1.0)], (7.0, 9.0)),  # one inside another, one past its end
+    ([(0.0, 2.0), (2.0, 2.0)], (4.0, 4.0)),  # end to end
+])
+def test_busy_and_span(intervals, expected):
+    assert busy_and_span(intervals) == expected
+
+
+def test_host_events_of_a_jitted_call():
+    """On the CPU (no device events) the profile still has the host's: the jitted function's dispatch, named for
+    it, and the time it took."""
+
+    def probe_call(x):
+        return jnp.sin(x) @ x
+
+    f, x = jax.jit(probe_call), jnp.ones((64, 64))
+    use = device_us(lambda: f(x), calls=3)
+    assert (use.busy, use.span, use.kernels) == (0.0, 0.0, 0)
+    assert use.host["PjitFunction(probe_call)"] > 0
+    assert "PjitFunction(probe_call)" in host_table(use.host, top=len(use.host))
+
+
+def test_device_rounds_table():
+    """Busy and span as the median of a variant's rounds, kernels from its first, the host's events from its last;
+    no kernel table where no round recorded kernels (a CPU), nothing at all without host events either."""
+    rounds = {"a": [DeviceUse(1000.0, 3000.0, 12.0, {"x": 1.0}), DeviceUse(3000.0, 5000.0, 12.0, {"y": 9.0}),
+                    DeviceUse(2000.0, 4000.0, 12.0, {"z": 4.0})]}
+    table = device_rounds_table(rounds, "probe", "a step", digits=2)
+    assert "\na | 2.00 | 4.00 | 12.0\n" in table
+    assert table.endswith("(the last round)\n" + host_table({"z": 4.0}))
+    cpu = {"a": [DeviceUse(0.0, 0.0, 0, {"PjitFunction(f)": 5.0})]}
+    assert "busy" not in device_rounds_table(cpu, "probe", "a step") and "PjitFunction(f)" in device_rounds_table(
+        cpu, "probe", "a step")
+    assert device_rounds_table({"a": [DeviceUse(0.0, 0.0, 0, {})]}, "probe", "a step") == ""
