@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-sys.path.append(str(Path(__file__).resolve().parents[2] / "benchmarks"))  # after the repo: benchmarks/convert.py is not the package
+sys.path.append(str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from kernel_profile import (DeviceTimes, DeviceUse, busy_and_span, chain_listing, chain_table,  # noqa: E402
                             critical_path, device_rounds_table, device_us, entry_operands, host_table, source_paths,
                             weight_only, weight_only_table)

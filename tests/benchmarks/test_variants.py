@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.append(str(Path(__file__).resolve().parents[2] / "benchmarks"))  # after the repo: benchmarks/convert.py is not the package
+sys.path.append(str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import variants  # noqa: E402
 from k3jax import KernelPolicy  # noqa: E402
 

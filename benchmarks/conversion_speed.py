@@ -1,6 +1,6 @@
 """Converter throughput against the raw read speed of the same files, and peak memory.
 
-    python benchmarks/convert.py --dir /tmp/k3bench [--out-dir /dev/shm/k3bench] [--preset mini]
+    python benchmarks/conversion_speed.py --dir /tmp/k3bench [--out-dir /dev/shm/k3bench] [--preset mini]
                                  [--part-mb 128] [--inflight-mb 768] [--keep]
 
 Writes a multi-GB synthetic K3-layout checkpoint (MXFP4 experts, several shards; streamed, never
