@@ -1,46 +1,48 @@
 """Streaming converter: a released safetensors folder -> a k3jax checkpoint (orbax parts + manifest).
 
-Everything is validated from the headers before a byte is written (missing, unknown, wrong shape
-or dtype tensors; config against tensors). Then parameters are assembled one at a time from
+Everything is validated from the headers before a byte is written (config types, missing, unknown,
+wrong shape or dtype tensors; config against tensors; free disk space). Weights may be saved in
+bf16, f16 or f32 (HF saves a model in its own dtype): they are kept as stored, or cast with
+``dtype`` (the manifest says which). Then parameters are assembled one at a time from
 memory-mapped reads (routed experts: one stacked tensor per layer and weight) and saved in parts
-of about ``part_bytes``; peak memory is about max(``inflight_bytes``, largest single tensor) plus
-fixed overhead. Output goes to
-``<out>.partial/`` and is renamed to ``<out>`` only when complete (and verified, if asked);
-``resume=True`` continues an interrupted run, skipping finished parts. Reading the next part
-overlaps writing earlier ones (one writer thread; at most ``inflight_bytes`` in flight).
+of about ``part_bytes`` with a CRC-32 per array; peak memory is about max(``inflight_bytes``,
+largest single tensor) plus fixed overhead. Output goes to ``<out>.partial/`` (``convert.partial``)
+and is renamed to ``<out>`` only when complete (and verified, if asked); ``resume=True`` continues
+an interrupted run, skipping finished parts. Reading the next part overlaps writing earlier ones
+(one writer thread; at most ``inflight_bytes`` in flight).
 """
 
 from __future__ import annotations
 
-import json
+import functools
+import math
 import shutil
 import sys
 import warnings
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Literal
+from typing import Any, Literal
 
 import jax.numpy as jnp
 import numpy as np
 
+from convert.integrity import checksums, read_checked_part
+from convert.manifest import FORMAT, MANIFEST, PARTS, VERSION, part_name, read_manifest
 from convert.names import (
-    Param, Released, a_log_to_canonical, check_tensor, is_skipped, param_table, prefix_for,
-    released_specs,
+    Param, Released, a_log_to_canonical, check_tensor, is_skipped, param_table, prefix_for, released_specs,
 )
-from convert.orbax_io import FORMAT, MANIFEST, PARTS, VERSION, part_is_complete, part_name, read_part, write_json, write_part
-from convert.progress import Progress
-from convert.safetensors_io import CheckpointError, SourceCheckpoint, TensorInfo, open_checkpoint, read_tensor
+from convert.orbax_io import write_json
+from convert.partial import (
+    ConversionError, discard, drop_part, finish, iter_todo, part_entries, partial_of, prepare, write_parts,
+)
+from convert.progress import Progress, size
+from convert.safetensors_io import DTYPES, CheckpointError, SourceCheckpoint, TensorInfo, open_checkpoint, read_tensor
 from k3jax.config import ConfigError, K3Config, from_hf_config
 from k3jax.mx import MXTensor, check_scales, decode_compiled
 
 Dequantize = Literal["bf16"] | None
-PLAN_FILE = "plan.json"
-
-
-class ConversionError(RuntimeError):
-    """The conversion stopped (disk full, interrupted, verification failed); says how to continue."""
+CastTo = Literal["bf16", "f16", "f32"] | None
+CASTS = {"bf16": "BF16", "f16": "F16", "f32": "F32"}
 
 
 @dataclass(frozen=True)
@@ -71,9 +73,9 @@ class Plan:
 def model_config(src: SourceCheckpoint) -> K3Config:
     """``from_hf_config`` of the folder's config.json; a ConfigError becomes a CheckpointError naming the file."""
     try:
-        return from_hf_config(src.config, name=src.folder.name)
+        return from_hf_config(src.config, name=src.folder.name, source=str(src.folder / "config.json"))
     except ConfigError as e:
-        raise CheckpointError(f"{src.folder / 'config.json'}: {e}") from None
+        raise CheckpointError(str(e)) from None
 
 
 def _mx_mismatch(src: SourceCheckpoint, cfg: K3Config, prefix: str, params: list[Param]) -> None:
@@ -88,6 +90,17 @@ def _mx_mismatch(src: SourceCheckpoint, cfg: K3Config, prefix: str, params: list
             f"{src.folder / 'config.json'}: says {said}, but {tensors[base + have[1]].file} holds "
             f"{base + have[1]!r}; the config does not match the tensors"
         )
+
+
+def _one_dtype_per_stack(specs: list[Released], tensors: dict[str, TensorInfo]) -> None:
+    """Routed experts are stacked into one array a layer and weight: their dtypes must agree."""
+    first: dict[str, TensorInfo] = {}
+    for s in specs:
+        info = tensors[s.name]
+        seen = first.setdefault(f"{s.param}.{s.field}", info)
+        if info.dtype != seen.dtype:
+            raise CheckpointError(f"{info.file}: tensor {s.name!r} is {info.dtype} but {seen.name!r} is {seen.dtype}; "
+                                  f"expected one dtype for the experts stacked into {s.param}")
 
 
 def plan(src: SourceCheckpoint, *, cfg: K3Config | None = None, allow_unknown: bool = False) -> Plan:
@@ -111,6 +124,7 @@ def plan(src: SourceCheckpoint, *, cfg: K3Config | None = None, allow_unknown: b
         )
     for spec in specs:
         check_tensor(spec, tensors[spec.name])
+    _one_dtype_per_stack(specs, tensors)
     wanted = {s.name for s in specs}
     skipped = tuple(n for n in tensors if n not in wanted and is_skipped(n, prefix))
     unknown = tuple(n for n in tensors if n not in wanted and not is_skipped(n, prefix))
@@ -129,27 +143,41 @@ def plan(src: SourceCheckpoint, *, cfg: K3Config | None = None, allow_unknown: b
     return Plan(src, cfg, prefix, tuple(jobs), skipped, unknown)
 
 
-def out_bytes(job: Job, dequantize: Dequantize) -> int:
-    """Bytes the job's canonical value occupies (experts dequantized to bf16: 2 bytes an element)."""
-    if job.param.kind == "experts" and dequantize and job.specs[0].field != "weight":
-        return 2 * int(np.prod(job.param.shape))
-    return job.read_bytes
+def out_dtype(job: Job, dequantize: Dequantize = None, dtype: CastTo = None) -> str:
+    """What the job's value is stored as: "MXFP4" (packed experts) or a float safetensors dtype:
+    as the source stores it, or ``dtype`` ("bf16", "f16", "f32") for the weights that follow the
+    model's parameter dtype; the parameters the model keeps in float32 (A_log, dt_bias, conv
+    weights, router bias) are stored as float32 when a ``dtype`` is asked for."""
+    packed = job.specs[0].field != "weight"
+    if packed and not dequantize:
+        return "MXFP4"
+    if dtype is None:
+        return "BF16" if packed else job.sources[0].dtype
+    return "F32" if job.param.dtype == "F32" else CASTS[dtype]
 
 
-def assemble(job: Job, dequantize: Dequantize = None) -> dict[str, np.ndarray]:
+def out_bytes(job: Job, dequantize: Dequantize = None, dtype: CastTo = None) -> int:
+    """Bytes the job's canonical value occupies once converted."""
+    kind = out_dtype(job, dequantize, dtype)
+    return job.read_bytes if kind == "MXFP4" else math.prod(job.param.shape) * DTYPES[kind].itemsize
+
+
+def assemble(job: Job, dequantize: Dequantize = None, dtype: CastTo = None) -> dict[str, np.ndarray]:
     """Read one parameter's released tensors -> its canonical leaves (dotted key -> array).
 
-    copy: the tensor as is; a_log: float32 [H]; experts: stacked [E, N, K] (bf16), or MXFP4
-    ``<path>.codes`` uint8 [E, N, K//2] and ``<path>.scales`` uint8 [E, N, K//32], or (``dequantize``)
-    bf16 [E, N, K] decoded one expert at a time.
+    copy: the tensor as is; a_log: [H]; experts: stacked [E, N, K], or MXFP4 ``<path>.codes``
+    uint8 [E, N, K//2] and ``<path>.scales`` uint8 [E, N, K//32], or (``dequantize``) bf16
+    [E, N, K] decoded one expert at a time. Floats end in ``out_dtype``. A NaN scale byte raises
+    ``CheckpointError`` naming the file and tensor.
     """
     p, src = job.param, job.sources
+    kind = out_dtype(job, dequantize, dtype)
     if p.kind == "copy":
-        return {p.path: np.array(read_tensor(src[0]))}
+        return {p.path: np.asarray(read_tensor(src[0])).astype(DTYPES[kind])}
     if p.kind == "a_log":
-        return {p.path: a_log_to_canonical(read_tensor(src[0]), p.shape[0])[0]}
+        return {p.path: a_log_to_canonical(read_tensor(src[0]), p.shape[0])[0].astype(DTYPES[kind], copy=False)}
     if job.specs[0].field == "weight":
-        out = np.empty(p.shape, src[0].np_dtype)
+        out = np.empty(p.shape, DTYPES[kind])
         for e, info in enumerate(src):
             out[e] = read_tensor(info)
         return {p.path: out}
@@ -160,7 +188,7 @@ def assemble(job: Job, dequantize: Dequantize = None) -> dict[str, np.ndarray]:
         except ValueError as e:
             raise CheckpointError(f"{info.file}: {e}") from None
     if dequantize:
-        out = np.empty(p.shape, np.dtype(jnp.bfloat16))
+        out = np.empty(p.shape, DTYPES[kind])
         for e, (c, s) in enumerate(zip(packed, scales)):
             out[e] = np.asarray(decode_compiled(MXTensor(jnp.asarray(read_tensor(c)), jnp.asarray(read_tensor(s))), jnp.bfloat16))
         return {p.path: out}
@@ -172,12 +200,13 @@ def assemble(job: Job, dequantize: Dequantize = None) -> dict[str, np.ndarray]:
     return {p.path + ".codes": codes, p.path + ".scales": scale}
 
 
-def split_parts(jobs: tuple[Job, ...], part_bytes: int, dequantize: Dequantize) -> list[list[Job]]:
+def split_parts(jobs: tuple[Job, ...], part_bytes: int, dequantize: Dequantize = None,
+                dtype: CastTo = None) -> list[list[Job]]:
     """Consecutive jobs grouped into parts of at most ``part_bytes`` (a larger single job stands alone)."""
     parts: list[list[Job]] = [[]]
     size = 0
     for job in jobs:
-        n = out_bytes(job, dequantize)
+        n = out_bytes(job, dequantize, dtype)
         if parts[-1] and size + n > part_bytes:
             parts.append([])
             size = 0
@@ -186,11 +215,11 @@ def split_parts(jobs: tuple[Job, ...], part_bytes: int, dequantize: Dequantize) 
     return [p for p in parts if p]
 
 
-def _fingerprint(pl: Plan, parts: list[list[Job]], dequantize: Dequantize) -> dict:
+def _fingerprint(pl: Plan, parts: list[list[Job]], dequantize: Dequantize, dtype: CastTo) -> dict:
     files = [{"file": s.file, "bytes": (pl.source.folder / s.file).stat().st_size,
               "mtime_ns": (pl.source.folder / s.file).stat().st_mtime_ns} for s in pl.source.shards]
-    return {"source": str(pl.source.folder.absolute()), "files": files, "dequantize": dequantize,
-            "parts": [[j.param.path for j in p] for p in parts]}
+    return {"source": str(pl.source.folder.absolute()), "files": files, "dequantize": dequantize, "dtype": dtype,
+            "version": VERSION, "parts": [[j.param.path for j in p] for p in parts]}
 
 
 def _a_log_tails(pl: Plan) -> dict[str, list[str]]:
@@ -199,24 +228,23 @@ def _a_log_tails(pl: Plan) -> dict[str, list[str]]:
     for job in pl.jobs:
         if job.param.kind == "a_log":
             _, tail = a_log_to_canonical(read_tensor(job.sources[0]), job.param.shape[0])
-            if np.any(tail.view(np.uint32)):
+            if np.any(tail != 0) or np.any(np.signbit(tail)):
                 out[job.sources[0].name] = [float(x).hex() for x in tail]
     return out
 
 
-def manifest(pl: Plan, parts: list[list[Job]], dequantize: Dequantize) -> dict:
-    """The manifest: params (path -> part, shape, dtype) and the source layout for export."""
-    params = {}
-    for i, jobs in enumerate(parts):
-        for job in jobs:
-            mx = job.param.kind == "experts" and job.specs[0].field != "weight" and not dequantize
-            params[job.param.path] = {"part": part_name(i), "shape": list(job.param.shape),
-                                      "dtype": "MXFP4" if mx else job.param.dtype}
+def manifest(pl: Plan, parts: list[list[Job]], part_entries: dict[str, Any], dequantize: Dequantize = None,
+             dtype: CastTo = None) -> dict:
+    """The manifest (``convert.manifest``): params, parts with files and checksums, source layout."""
+    params = {job.param.path: {"part": part_name(i), "shape": list(job.param.shape),
+                               "dtype": out_dtype(job, dequantize, dtype)}
+              for i, jobs in enumerate(parts) for job in jobs}
     wanted = {s.name for j in pl.jobs for s in j.specs}
     shards = [{"file": s.file, "metadata": dict(s.metadata),
                "tensors": [[t.name, t.dtype, list(t.shape)] for t in s.tensors if t.name in wanted]}
               for s in pl.source.shards]
-    return {"format": FORMAT, "version": VERSION, "dequantize": dequantize, "params": params,
+    return {"format": FORMAT, "version": VERSION, "dtype": CASTS.get(dtype), "dequantize": dequantize,
+            "params": params, "parts": part_entries,
             "source": {"prefix": pl.prefix, "shards": [s for s in shards if s["tensors"]],
                        "skipped": list(pl.skipped), "unknown": list(pl.unknown), "a_log_tails": _a_log_tails(pl)}}
 
@@ -225,127 +253,104 @@ def _same(a: np.ndarray, b: np.ndarray) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a.view(np.uint8), b.view(np.uint8))
 
 
-def verify_parts(folder: Path, parts: list[list[Job]], dequantize: Dequantize, *, quiet: bool = True) -> None:
-    """Re-read every part and compare it bit for bit with freshly assembled source tensors."""
+def verify_parts(folder: Path, parts: list[list[Job]], dequantize: Dequantize = None, dtype: CastTo = None, *,
+                 quiet: bool = True) -> None:
+    """Re-read every part of ``folder`` (a finished or partial output with its manifest), check its
+    files and CRC-32s, and compare it bit for bit with freshly assembled source tensors. A part that
+    differs is removed (``--resume`` writes it again) and ``ConversionError`` says so."""
+    man = read_manifest(folder)
     bar = Progress(sum(j.read_bytes for p in parts for j in p), "verify", quiet=quiet)
     for i, jobs in enumerate(parts):
-        got = read_part(folder / PARTS / part_name(i))
-        for job in jobs:
-            for key, want in assemble(job, dequantize).items():
-                if key not in got or not _same(np.asarray(got[key]), want):
-                    raise ConversionError(
-                        f"{folder / PARTS / part_name(i)}: {key} differs from {job.sources[0].file} "
-                        f"tensor {job.sources[0].name!r} on re-read; the output is not trustworthy"
-                    )
-            bar.advance(job.read_bytes)
+        name = part_name(i)
+        try:
+            got = read_checked_part(folder, name, man, [j.param.path for j in jobs], verify=False)
+            for job in jobs:
+                for key, want in assemble(job, dequantize, dtype).items():
+                    if not _same(got[key], want):
+                        raise CheckpointError(f"{folder / PARTS / name}: {key} differs from {job.sources[0].file} "
+                                              f"tensor {job.sources[0].name!r} on re-read")
+                bar.advance(job.read_bytes)
+            if checksums(got) != man["parts"][name]["crc32"]:
+                raise CheckpointError(f"{folder / MANIFEST}: parts.{name}.crc32 does not match the arrays written")
+        except CheckpointError as e:
+            drop_part(folder, i)
+            raise ConversionError(f"{e}; the output is not trustworthy: {name} was removed, rerun with --resume "
+                                  f"to write it again") from None
     bar.close()
 
 
-def _iter_todo(partial: Path, parts: list[list[Job]], bar: Progress) -> Iterator[tuple[int, list[Job]]]:
-    for i, jobs in enumerate(parts):
-        if part_is_complete(partial / PARTS / part_name(i)):
-            bar.advance(sum(j.read_bytes for j in jobs), skipped=True)
-        else:
-            yield i, jobs
-
-
-def _write(target: Path, leaves: dict[str, np.ndarray], index: int, count: int) -> None:
-    try:
-        write_part(target, leaves)
-    except OSError as e:
-        out = target.parent.parent.name.removesuffix(".partial")
-        raise ConversionError(
-            f"{target}: writing failed ({e}); {out} was not created. Fix the cause (e.g. free disk space) "
-            f"and rerun with --resume to continue from part {index} of {count}"
-        ) from e
-
-
-def _write_parts(partial: Path, parts: list[list[Job]], todo: Iterator[tuple[int, list[Job]]],
-                 dequantize: Dequantize, bar: Progress, budget: int) -> None:
-    """Assemble parts on this thread while one writer thread saves earlier ones. A part is started
-    only while the parts in flight plus it fit in ``budget`` bytes (or nothing is in flight), so
-    memory stays near max(budget, largest part). On a failure, parts not yet started are dropped."""
-    pending: deque[tuple[Future, int]] = deque()
-
-    def finish_oldest() -> None:
-        future, _ = pending.popleft()
-        try:
-            future.result()
-        except BaseException:
-            for f, _ in pending:
-                f.cancel()
-            raise
-
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="k3jax-convert-write") as pool:
-        for i, jobs in todo:
-            n = sum(out_bytes(j, dequantize) for j in jobs)
-            while pending and sum(b for _, b in pending) + n > budget:
-                finish_oldest()
-            leaves: dict[str, np.ndarray] = {}
-            for job in jobs:
-                leaves.update(assemble(job, dequantize))
-                bar.advance(job.read_bytes)
-            pending.append((pool.submit(_write, partial / PARTS / part_name(i), leaves, i, len(parts)), n))
-            del leaves
-        while pending:
-            finish_oldest()
-
-
-def _prepare(partial: Path, fingerprint: dict, resume: bool) -> None:
-    plan_file = partial / PLAN_FILE
-    if partial.exists():
-        if not resume:
-            raise ConversionError(f"{partial}: left by an interrupted conversion; pass --resume to continue it, "
-                                  f"or delete it to start over")
-        old = json.loads(plan_file.read_text()) if plan_file.is_file() else None
-        if old != fingerprint:
-            raise ConversionError(f"{partial}: made from a different source, options or code version; "
-                                  f"delete it to start over")
-        for stale in (partial / PARTS).iterdir():
-            if not part_is_complete(stale):
-                shutil.rmtree(stale)
-        return
-    (partial / PARTS).mkdir(parents=True)
-    write_json(plan_file, fingerprint)
+def _check_free_space(out: Path, needed: int) -> None:
+    """Refuse, before writing, when the output's file system has less room than ``needed`` bytes."""
+    folder = next(p for p in (out.absolute(), *out.absolute().parents) if p.exists())
+    free = shutil.disk_usage(folder).free
+    if free < needed:
+        raise ConversionError(f"{folder}: {size(free)} free but the conversion needs about {size(needed)}; "
+                              f"nothing was written")
 
 
 def convert(
-    source: str | Path, out: str | Path, *, dequantize: Dequantize = None, resume: bool = False,
+    source: str | Path, out: str | Path, *, dtype: CastTo = None, dequantize: Dequantize = None, resume: bool = False,
     verify: bool = False, quiet: bool = False, allow_unknown: bool = False, part_bytes: int = 128 << 20,
     inflight_bytes: int = 768 << 20,
 ) -> Path:
     """Convert the released checkpoint folder ``source`` into the k3jax checkpoint ``out``.
 
+    ``dtype`` ("bf16", "f16", "f32"; default: as stored) casts the weights (see ``out_dtype``);
     ``dequantize="bf16"`` stores MXFP4 experts as bf16 [E, N, K]; ``resume`` continues from
     ``<out>.partial``; ``verify`` re-reads the output and compares it bit for bit before the final
     rename. ``part_bytes`` sizes the orbax parts (the unit of resuming); ``inflight_bytes`` bounds
-    the parts being assembled or written at once (memory). Returns ``out``. Raises
-    ``CheckpointError`` (bad input, nothing written) or ``ConversionError`` (write failed or
-    interrupted; ``<out>.partial`` remains, ``out`` does not exist).
+    the parts being assembled or written at once (memory). Returns ``out``.
+
+    Raises ``CheckpointError`` for bad input: found while planning, nothing was written; found in a
+    tensor's data midway (a NaN scale byte), ``<out>.partial`` is removed and the message says so.
+    Raises ``ConversionError`` when writing fails (disk full, no permission) or verification fails:
+    ``<out>.partial`` is kept for ``resume`` and the message says so; ``out`` does not exist.
     """
     source, out = Path(source), Path(out)
+    if dtype not in (None, *CASTS):
+        raise ValueError(f"dtype: {dtype!r}; expected None or one of {sorted(CASTS)}")
     if dequantize not in (None, "bf16"):
         raise ValueError(f"dequantize: {dequantize!r}; expected None or 'bf16'")
     if out.exists():
         raise ConversionError(f"{out}: already exists; remove it or choose another output path")
-    partial = out.with_name(out.name + ".partial")
+    partial = partial_of(out)
     pl = plan(open_checkpoint(source), allow_unknown=allow_unknown)
-    parts = split_parts(pl.jobs, part_bytes, dequantize)
-    _prepare(partial, _fingerprint(pl, parts, dequantize), resume)
+    parts = split_parts(pl.jobs, part_bytes, dequantize, dtype)
+    sizes = [sum(out_bytes(j, dequantize, dtype) for j in jobs) for jobs in parts]
+    fingerprint = _fingerprint(pl, parts, dequantize, dtype)
+    if not partial.exists():
+        _check_free_space(out, sum(sizes))
+    prepare(partial, fingerprint, resume)
     bar = Progress(sum(j.read_bytes for j in pl.jobs), f"convert {source.name}", quiet=quiet)
-    _write_parts(partial, parts, _iter_todo(partial, parts, bar), dequantize, bar, inflight_bytes)
-    bar.close()
-    shutil.copyfile(source / "config.json", partial / "config.json")
-    write_json(partial / MANIFEST, manifest(pl, parts, dequantize))
-    if verify:
-        verify_parts(partial, parts, dequantize, quiet=quiet)
-    partial.rename(out)
-    (out / PLAN_FILE).unlink()
+
+    def part(i: int) -> dict[str, np.ndarray]:
+        leaves: dict[str, np.ndarray] = {}
+        for job in parts[i]:
+            leaves.update(assemble(job, dequantize, dtype))
+            bar.advance(job.read_bytes)
+        return leaves
+
+    skip = lambda i: bar.advance(sum(j.read_bytes for j in parts[i]), skipped=True)
+    try:
+        write_parts(partial, len(parts), ((i, sizes[i], functools.partial(part, i))
+                                          for i in iter_todo(partial, len(parts), skip)), inflight_bytes)
+        bar.close()
+        shutil.copyfile(source / "config.json", partial / "config.json")
+        write_json(partial / MANIFEST, manifest(pl, parts, part_entries(partial, len(parts)), dequantize, dtype))
+        if verify:
+            verify_parts(partial, parts, dequantize, dtype, quiet=quiet)
+        finish(partial, out)
+    except CheckpointError as e:
+        discard(partial)
+        raise CheckpointError(f"{e}; {partial} was removed (nothing is kept: the source must change first)") from None
+    except OSError as e:
+        raise ConversionError(f"{e.filename or partial}: {e.strerror or e}; {out} was not created and {partial} "
+                              f"is kept: fix the cause and rerun with --resume") from e
     if not quiet and pl.skipped:
         print(f"note: skipped {len(pl.skipped)} tensor(s) outside the text model (vision tower, projector)",
               file=sys.stderr)
     return out
 
 
-__all__ = ["ConversionError", "Job", "Plan", "assemble", "convert", "manifest", "model_config", "plan",
-           "split_parts", "verify_parts"]
+__all__ = ["CASTS", "ConversionError", "Job", "Plan", "assemble", "convert", "manifest", "model_config", "out_bytes",
+           "out_dtype", "plan", "split_parts", "verify_parts"]

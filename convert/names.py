@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from convert.safetensors_io import DTYPES, CheckpointError, TensorInfo, dtype_name
+from convert.safetensors_io import DTYPES, FLOATS, CheckpointError, TensorInfo, dtype_name
 from k3jax.config import K3Config
 from k3jax.model import K3Model
 from k3jax.mx import BLOCK, MXTensor, decode_compiled, quantize_compiled
@@ -91,7 +91,8 @@ def _rule(path: str) -> tuple[tuple[str, ...], Kind]:
 @functools.lru_cache(maxsize=16)
 def param_table(cfg: K3Config) -> tuple[Param, ...]:
     """Every parameter of ``K3Model(cfg)`` (released dtypes: bf16 weights; float32 A_log, dt_bias,
-    conv weights and router bias), in nnx state order. Cached: ``nnx.eval_shape`` takes seconds."""
+    conv weights and router bias), in nnx state order. "BF16" marks the weights that follow the
+    model's parameter dtype, "F32" those it keeps in float32. Cached: ``nnx.eval_shape`` takes seconds."""
     model = nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16))
     out = []
     for key, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
@@ -153,11 +154,15 @@ def released_specs(
 
 
 def check_tensor(spec: Released, info: TensorInfo) -> None:
-    """Raise ``CheckpointError`` naming file and tensor if dtype or shape differ from ``spec``."""
-    if info.dtype != spec.dtype or info.shape != spec.shape:
+    """Raise ``CheckpointError`` naming file and tensor if shape or dtype differ from ``spec``. A
+    float parameter may be saved in any of ``FLOATS`` (HF saves a model in its own dtype)."""
+    floats = spec.dtype in FLOATS
+    dtype_ok = info.dtype in FLOATS if floats else info.dtype == spec.dtype
+    if not dtype_ok or info.shape != spec.shape:
+        want = info.dtype if dtype_ok else ("BF16, F16 or F32" if floats else spec.dtype)
         raise CheckpointError(
             f"{info.file}: tensor {info.name!r} is {info.dtype} {list(info.shape)}; "
-            f"expected {spec.dtype} {list(spec.shape)} (for k3jax parameter {spec.param})"
+            f"expected {want} {list(spec.shape)} (for k3jax parameter {spec.param})"
         )
 
 
@@ -180,12 +185,12 @@ def a_log_to_released(x: np.ndarray, shape: tuple[int, ...], tail: np.ndarray | 
 
 def expert_row(value: Any, spec: Released) -> np.ndarray:
     """Row ``spec.expert`` of a stacked expert parameter in the released field's format: from a
-    float [E, N, K] array (quantized to MXFP4 if ``spec`` is packed) or an ``MXTensor`` (decoded to
-    ``spec.dtype`` if ``spec`` is a plain weight)."""
+    float [E, N, K] array (as stored; quantized to MXFP4 if ``spec`` is packed) or an ``MXTensor``
+    (decoded to bf16 if ``spec`` is a plain weight)."""
     e = spec.expert
     if spec.field == "weight":
         row = decode_compiled(MXTensor(value.codes[e], value.scales[e]), jnp.bfloat16) if isinstance(value, MXTensor) else value[e]
-        return np.asarray(row).astype(np.dtype(jnp.bfloat16) if spec.dtype == "BF16" else np.float32)
+        return np.asarray(row)
     if not isinstance(value, MXTensor):
         value = quantize_compiled(jnp.asarray(value[e : e + 1]))
         e = 0

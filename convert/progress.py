@@ -1,4 +1,5 @@
-"""A one-line progress bar on stderr: bytes done, rate and ETA."""
+"""A one-line progress bar on stderr (bytes done in the unit that fits the total, rate and ETA),
+and ``size`` for the one-line summaries the command prints."""
 
 from __future__ import annotations
 
@@ -6,9 +7,17 @@ import sys
 import time
 from typing import TextIO
 
+_UNITS = (("GB", 1e9), ("MB", 1e6), ("KB", 1e3))
 
-def _gb(n: float) -> str:
-    return f"{n / 1e9:.2f} GB"
+
+def _unit(n: float) -> tuple[str, float]:
+    return next(((name, scale) for name, scale in _UNITS if n >= scale), ("B", 1.0))
+
+
+def size(n: float, unit_of: float | None = None) -> str:
+    """``n`` bytes as "812 B", "1.05 MB", "3.20 GB": in the unit that fits ``unit_of`` (default ``n``)."""
+    name, scale = _unit(n if unit_of is None else unit_of)
+    return f"{n:.0f} B" if name == "B" else f"{n / scale:.2f} {name}"
 
 
 def _clock(seconds: float) -> str:
@@ -47,8 +56,8 @@ class Progress:
         eta = (self.total - self.done) / rate if rate > 0 else 0.0
         pct = 100.0 * self.done / self.total
         self.stream.write(
-            f"\r{self.label}: {_gb(self.done)} / {_gb(self.total)} ({pct:5.1f}%) "
-            f"{rate / 1e6:8.1f} MB/s  ETA {_clock(eta)}"
+            f"\r{self.label}: {size(self.done, self.total)} / {size(self.total)} ({pct:5.1f}%) "
+            f"{size(rate)}/s  ETA {_clock(eta)}"
         )
         self.stream.flush()
 
@@ -59,4 +68,4 @@ class Progress:
             self.stream.flush()
 
 
-__all__ = ["Progress"]
+__all__ = ["Progress", "size"]

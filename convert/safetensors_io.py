@@ -18,6 +18,8 @@ from typing import Any, Callable, Iterable, Mapping
 import ml_dtypes
 import numpy as np
 
+from convert.json_schema import Fields, inside, parse_json, read_json, safe_name
+
 MAX_HEADER_BYTES = 100 << 20
 
 DTYPES: dict[str, np.dtype] = {
@@ -34,6 +36,7 @@ DTYPES: dict[str, np.dtype] = {
     "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
 }
 _NAMES = {v: k for k, v in DTYPES.items()}
+FLOATS = ("BF16", "F16", "F32")  # the weight dtypes a checkpoint may be saved in (HF: the model's dtype)
 
 
 class CheckpointError(ValueError):
@@ -71,72 +74,67 @@ class TensorInfo:
 def read_header(path: str | os.PathLike) -> tuple[list[TensorInfo], dict[str, str]]:
     """Parse and validate a safetensors header -> (tensors in header order, ``__metadata__``).
 
-    Checks: the length prefix fits the file, the JSON parses, each entry has a known dtype, a
-    shape of non-negative ints, offsets matching shape x itemsize, no overlaps, and the file is
+    Checks: the length prefix fits the file, the JSON parses (no key twice), ``__metadata__`` is an
+    object of strings, each entry has a known dtype, a shape of non-negative ints, offsets matching
+    shape x itemsize, the tensors tile the data region without overlaps or holes, and the file is
     exactly as long as the header says (a shorter file is reported as truncated).
     """
     path = Path(path)
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        prefix = f.read(8)
-        if len(prefix) < 8:
-            raise CheckpointError(f"{path}: corrupt header: file has {size} bytes, fewer than the 8-byte length prefix")
-        n = int.from_bytes(prefix, "little")
-        if n > MAX_HEADER_BYTES or 8 + n > size:
-            raise CheckpointError(
-                f"{path}: corrupt header: length prefix says {n} header bytes but the file has {size} bytes"
-            )
-        raw = f.read(n)
     try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: corrupt header: not valid JSON ({e})") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: corrupt header: expected a JSON object, got {type(header).__name__}")
-    meta = header.pop("__metadata__", None) or {}
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            prefix = f.read(8)
+            n = int.from_bytes(prefix, "little")
+            raw = f.read(n) if len(prefix) == 8 and n <= MAX_HEADER_BYTES and 8 + n <= size else b""
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read it ({e.strerror or e})") from None
+    if len(prefix) < 8:
+        raise CheckpointError(f"{path}: corrupt header: file has {size} bytes, fewer than the 8-byte length prefix")
+    if n > MAX_HEADER_BYTES or 8 + n > size:
+        raise CheckpointError(f"{path}: corrupt header: length prefix says {n} header bytes but the file has {size} bytes")
+    header = Fields(parse_json(raw, f"{path}: corrupt header", CheckpointError), str(path), CheckpointError)
+    meta = header.str_map("__metadata__", {})
     base = 8 + n
-    infos = [_entry(path, name, spec, base) for name, spec in header.items()]
-    by_start = sorted(infos, key=lambda t: t.start)
-    for a, b in zip(by_start, by_start[1:]):
-        if b.start < a.end:
-            raise CheckpointError(f"{path}: corrupt header: tensors {a.name!r} and {b.name!r} overlap")
-    data_end = max((t.end for t in infos), default=base)
-    if data_end > size:
+    infos = [_entry(header.fields(name), name, base) for name in header if name != "__metadata__"]
+    end, last = base, None
+    for t in sorted(infos, key=lambda t: (t.start, t.end)):
+        if t.start < end:
+            raise CheckpointError(f"{path}: corrupt header: tensors {last!r} and {t.name!r} overlap")
+        if t.start > end:
+            raise CheckpointError(f"{path}: corrupt header: {t.start - end} unused bytes before tensor {t.name!r}")
+        end, last = t.end, t.name
+    if end > size:
+        raise CheckpointError(f"{path}: truncated: the header says the data ends at byte {end} but the file has {size} bytes")
+    if end < size:
         raise CheckpointError(
-            f"{path}: truncated: the header says the data ends at byte {data_end} but the file has {size} bytes"
+            f"{path}: corrupt: {size - end} unexpected trailing bytes after the last tensor (ends at {end})"
         )
-    if data_end < size:
-        raise CheckpointError(
-            f"{path}: corrupt: {size - data_end} unexpected trailing bytes after the last tensor (ends at {data_end})"
-        )
-    return infos, dict(meta)
+    return infos, meta
 
 
-def _entry(path: Path, name: str, spec: Any, base: int) -> TensorInfo:
-    where = f"{path}: tensor {name!r}"
-    if not isinstance(spec, dict) or not {"dtype", "shape", "data_offsets"} <= spec.keys():
-        raise CheckpointError(f"{where}: corrupt header entry {spec!r}; expected dtype, shape and data_offsets")
-    dtype, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
-    if dtype not in DTYPES:
-        raise CheckpointError(f"{where}: unknown dtype {dtype!r}; expected one of {sorted(DTYPES)}")
-    if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
-        raise CheckpointError(f"{where}: corrupt shape {shape!r}; expected a list of non-negative ints")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
-        raise CheckpointError(f"{where}: corrupt data_offsets {offsets!r}; expected [begin, end]")
+def _entry(entry: Fields, name: str, base: int) -> TensorInfo:
+    dtype = entry.str("dtype", choices=tuple(DTYPES))
+    shape = entry.int_list("shape", minimum=0)
+    offsets = entry.int_list("data_offsets", minimum=0)
+    if len(offsets) != 2:
+        raise entry.fail("data_offsets", "[begin, end]", offsets)
     a, b = offsets
     want = math.prod(shape) * DTYPES[dtype].itemsize
-    if a < 0 or b - a != want:
+    if b - a != want:
         raise CheckpointError(
-            f"{where}: data_offsets {offsets} span {b - a} bytes but {dtype} {tuple(shape)} needs {want}"
+            f"{entry.source}: tensor {name!r}: data_offsets {offsets} span {b - a} bytes but {dtype} {tuple(shape)} needs {want}"
         )
-    return TensorInfo(name, dtype, tuple(shape), path, base + a, base + b)
+    return TensorInfo(name, dtype, tuple(shape), Path(entry.source), base + a, base + b)
 
 
 def read_tensor(info: TensorInfo) -> np.ndarray:
     """A read-only memory-mapped view dtype[shape] of one tensor (no copy; pages load on access)."""
     if info.nbytes == 0:
         return np.zeros(info.shape, info.np_dtype)
-    return np.memmap(info.file, dtype=info.np_dtype, mode="r", offset=info.start, shape=info.shape)
+    try:
+        return np.memmap(info.file, dtype=info.np_dtype, mode="r", offset=info.start, shape=info.shape)
+    except (OSError, ValueError) as e:  # ValueError: the file shrank since its header was read
+        raise CheckpointError(f"{info.file}: cannot read tensor {info.name!r} ({getattr(e, 'strerror', None) or e})") from None
 
 
 def header_bytes(entries: Iterable[tuple[str, str, tuple[int, ...]]], metadata: Mapping[str, str] | None) -> bytes:
@@ -207,27 +205,33 @@ class SourceCheckpoint:
 
 
 def read_config(folder: Path) -> dict[str, Any]:
-    """``folder/config.json`` as a dict (raises ``CheckpointError`` if missing or not JSON)."""
-    path = folder / "config.json"
+    """``folder/config.json`` as a dict (``CheckpointError`` if missing, unreadable, not JSON or not an object)."""
+    path = Path(folder) / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{path}: missing; a checkpoint folder needs its config.json")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    return Fields(read_json(path, CheckpointError), str(path), CheckpointError).data
+
+
+def read_index(path: Path) -> dict[str, str]:
+    """The ``weight_map`` (tensor name -> shard file name) of a safetensors index file."""
+    index = Fields(read_json(path, CheckpointError), str(path), CheckpointError)
+    weight_map = index.str_map("weight_map")
+    for name, file in weight_map.items():
+        safe_name(file, str(path), f"weight_map[{name!r}]", CheckpointError)
+    return weight_map
 
 
 def open_checkpoint(folder: str | os.PathLike) -> SourceCheckpoint:
     """Read and cross-check ``config.json``, the index (or the single ``model.safetensors``) and
-    every shard header. Shards keep the index's order of first appearance."""
+    every shard header. Shards keep the index's order of first appearance; a shard must be a file
+    name inside ``folder`` (no path, no link out of it)."""
     folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: not a folder; expected a checkpoint folder (config.json and safetensors)")
     config = read_config(folder)
     index_path = folder / INDEX_FILE
     if index_path.is_file():
-        try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index_path}: corrupt index, expected a JSON object with 'weight_map' ({e!r})") from None
+        weight_map = read_index(index_path)
         files = list(dict.fromkeys(weight_map.values()))
     elif (folder / SINGLE_FILE).is_file():
         weight_map, files = None, [SINGLE_FILE]
@@ -235,7 +239,7 @@ def open_checkpoint(folder: str | os.PathLike) -> SourceCheckpoint:
         raise CheckpointError(f"{folder}: no {INDEX_FILE} and no {SINGLE_FILE}")
     shards, seen = [], {}
     for name in files:
-        path = folder / name
+        path = inside(folder, name, str(index_path), CheckpointError)
         if not path.is_file():
             raise CheckpointError(f"{index_path}: lists shard {name!r} but {path} does not exist")
         infos, meta = read_header(path)
@@ -267,7 +271,9 @@ __all__ = [
     "open_checkpoint",
     "read_config",
     "DTYPES",
+    "FLOATS",
     "TensorInfo",
+    "read_index",
     "dtype_name",
     "header_bytes",
     "read_header",

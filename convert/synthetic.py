@@ -93,20 +93,22 @@ class RandomParams(Mapping):
 
 def write_synthetic(
     out: str | Path, preset: str | Mapping[str, Any] = "tiny", *, seed: int = 0, shard_bytes: int | None = None,
-    lazy: bool = False, quiet: bool = True,
+    lazy: bool = False, quiet: bool = True, dtype: str | None = None,
 ) -> tuple[dict[str, Any], Mapping[str, Any]]:
     """Write a synthetic released-layout checkpoint folder -> (hf_config, params written).
 
     ``preset`` is a preset name or a config.json dict. ``shard_bytes`` defaults to a quarter of the
     model so K3-style checkpoints have several shards. ``lazy`` draws ``RandomParams`` (no model,
-    streaming) instead of ``synthetic_params``.
+    streaming) instead of ``synthetic_params``. ``dtype`` ("BF16", "F16", "F32") saves every float
+    tensor in that dtype, as HF saves a model held in it (the params returned are as drawn: bf16
+    weights, float32 A_log, dt_bias, conv weights and router bias; the file holds them cast).
     """
     hf_config = preset_hf_config(preset) if isinstance(preset, str) else dict(preset)
     params = RandomParams(hf_config, seed) if lazy else synthetic_params(hf_config, seed)
     if shard_bytes is None:
         total = sum(np.dtype(_BF16).itemsize * int(np.prod(p.shape)) for p in param_table(from_hf_config(hf_config)))
         shard_bytes = max(total // 4, 1)
-    export(params, hf_config, out, shard_bytes=shard_bytes, quiet=quiet)
+    export(params, hf_config, out, shard_bytes=shard_bytes, dtype=dtype, quiet=quiet)
     return hf_config, params
 
 

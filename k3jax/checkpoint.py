@@ -4,9 +4,10 @@
 initializer runs), then fills it parameter by parameter, placing each on the device (or on a mesh)
 as soon as it is read, so host memory holds about one part/tensor at a time:
 
-- a k3jax checkpoint (``convert.convert`` output: ``k3jax_checkpoint.json`` + orbax parts), or
-- a released safetensors folder (Kimi-K3 or Kimi-Linear), converted on the fly (same name table,
-  same validation as ``k3jax convert``).
+- a k3jax checkpoint (``convert.convert`` output: ``k3jax_checkpoint.json`` + orbax parts; its
+  structure checked as it is read, its CRC-32s with ``verify=True``), or
+- a released safetensors folder (Kimi-K3 or Kimi-Linear, weights in bf16, f16 or f32), converted
+  on the fly (same name table, same validation as ``k3jax convert``).
 
 Routed experts: if the model's expert parameters hold ``MXTensor`` values (``K3Model``'s default
 for an MXFP4 config) they are filled with the packed codes and scales (or quantized, from a bf16
@@ -31,6 +32,7 @@ from k3jax.model import K3Model
 from k3jax.mx import MXTensor, decode_compiled, quantize_compiled
 from k3jax.sharding import EXPERT_AXIS
 
+_DTYPES = {"BF16": jnp.bfloat16, "F16": jnp.float16, "F32": jnp.float32}
 
 
 def _config(path: Path, config: K3Config | Mapping[str, Any] | None) -> K3Config:
@@ -38,25 +40,35 @@ def _config(path: Path, config: K3Config | Mapping[str, Any] | None) -> K3Config
 
     if isinstance(config, K3Config):
         return config
-    return from_hf_config(config if config is not None else read_config(path), name=path.name)
+    source = "config" if config is not None else str(path / "config.json")
+    return from_hf_config(config if config is not None else read_config(path), name=path.name, source=source)
 
 
-def iter_params(path: str | Path, cfg: K3Config) -> Iterator[tuple[str, Any]]:
-    """Stream (canonical path, numpy array or ``MXTensor`` of numpy arrays) from either kind of folder."""
+def _source(path: Path, cfg: K3Config, verify: bool) -> tuple[Iterator[tuple[str, Any]], str]:
+    """(canonical path, value) pairs of either kind of folder, and the embedding's stored dtype."""
     from convert.conversion import assemble, plan
-    from convert.orbax_io import CheckpointParams, is_k3jax_checkpoint
+    from convert.integrity import CheckpointParams
+    from convert.manifest import is_k3jax_checkpoint
     from convert.safetensors_io import open_checkpoint
 
-    path = Path(path)
     if is_k3jax_checkpoint(path):
-        params = CheckpointParams(path, cache_parts=1)
-        for name in params:
-            yield name, params[name]
-        return
-    for job in plan(open_checkpoint(path), cfg=cfg).jobs:
-        leaves = assemble(job)
-        name = job.param.path
-        yield name, MXTensor(leaves[name + ".codes"], leaves[name + ".scales"]) if name not in leaves else leaves[name]
+        params = CheckpointParams(path, cache_parts=1, verify=verify)
+        return ((name, params[name]) for name in params), params.params["embed_tokens.weight"]["dtype"]
+
+    def released() -> Iterator[tuple[str, Any]]:
+        for job in pl.jobs:
+            leaves = assemble(job)
+            name = job.param.path
+            yield name, MXTensor(leaves[name + ".codes"], leaves[name + ".scales"]) if name not in leaves else leaves[name]
+
+    pl = plan(open_checkpoint(path), cfg=cfg)
+    return released(), next(j for j in pl.jobs if j.param.path == "embed_tokens.weight").sources[0].dtype
+
+
+def iter_params(path: str | Path, cfg: K3Config, *, verify: bool = False) -> Iterator[tuple[str, Any]]:
+    """Stream (canonical path, numpy array or ``MXTensor`` of numpy arrays) from either kind of folder.
+    A k3jax checkpoint's structure is checked as it is read, and each array's CRC-32 with ``verify``."""
+    return _source(Path(path), cfg, verify)[0]
 
 
 def sharding_for(mesh: Mesh | None, path: str, shape: tuple[int, ...]) -> NamedSharding | None:
@@ -114,19 +126,25 @@ def from_params(
 
 def load(
     path: str | Path, mesh: Mesh | None = None, config: K3Config | Mapping[str, Any] | None = None, *,
-    dtype: Any = None, packed_experts: bool | None = None,
+    dtype: Any = None, packed_experts: bool | None = None, verify: bool = False,
 ) -> K3Model:
     """Restore ``path`` (k3jax checkpoint or released safetensors folder) into a ready ``K3Model``.
 
     ``config`` (a ``K3Config`` or config.json dict) overrides ``path/config.json``. ``dtype`` is the
-    model's ``param_dtype`` (default bf16: parameters keep their released dtypes, float32 where
-    released so). ``packed_experts``: routed experts as MXFP4 ``MXTensor`` (default for K3) or
-    decoded ``dtype`` arrays (False). ``mesh``: see the module docstring. Raises ``CheckpointError`` naming the tensor
-    if the checkpoint does not fit the model; ``nnx.split(model)`` gives graphdef and state.
+    model's ``param_dtype``; default: the dtype the embedding is stored in (bf16 for the released
+    checkpoints; f32 or f16 for a checkpoint saved so), as HF transformers loads with
+    ``dtype="auto"``; parameters the model keeps in float32 stay float32. ``packed_experts``:
+    routed experts as MXFP4 ``MXTensor`` (default for K3) or decoded ``dtype`` arrays (False).
+    ``mesh``: see the module docstring. A k3jax checkpoint's structure is always checked (manifest,
+    parts, files and their sizes, array shapes); ``verify`` also checks every array's CRC-32 (a
+    released folder has no checksums: its headers and sizes are checked either way). Raises
+    ``CheckpointError`` naming the file or tensor (``ConfigError`` for config.json) if the
+    checkpoint is damaged or does not fit the model; ``nnx.split(model)`` gives graphdef and state.
     """
     path = Path(path)
     cfg = _config(path, config)
-    return from_params(cfg, iter_params(path, cfg), mesh, dtype=dtype, packed_experts=packed_experts,
+    params, stored = _source(path, cfg, verify)
+    return from_params(cfg, params, mesh, dtype=dtype or _DTYPES[stored], packed_experts=packed_experts,
                        where=str(path))
 
 

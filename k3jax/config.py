@@ -1,16 +1,41 @@
-"""Model configuration: a tree of frozen dataclasses, read from a released ``config.json``.
+"""Model configuration: a tree of frozen dataclasses, read from a released or HF-saved ``config.json``.
 
 ``from_hf_config`` reads either member of the ``kimi_linear`` family (Kimi-K3 with its nested
-``text_config``, Kimi-Linear-48B-A3B flat). Keys that do not change the model (versions, dtypes,
-``auto_map``, token ids, ...) are ignored; a setting the code does not support raises
-``ConfigError`` naming the key.
+``text_config``, Kimi-Linear-48B-A3B flat). Every key it reads is typed (``convert.json_schema``):
+a wrong type or value raises ``ConfigError`` naming the file, the key and what was expected.
+
+The reference is HF transformers' ``KimiLinearConfig`` (and ``DeepseekV3Config`` it builds on):
+- defaults where a key is absent: ``first_k_dense_replace`` 1, ``num_shared_experts`` 1,
+  ``routed_scaling_factor`` 2.446, ``moe_renormalize`` true, ``intermediate_size`` 9216 (the dense
+  layers' width; ``dense_ffn_hidden`` overrides it), ``linear_attn_config`` heads 32, head dim 128,
+  short conv 4, ``hidden_act`` silu, ``rms_norm_eps`` 1e-5, ``attn_res_block_size`` 0 (= none),
+  ``q_lora_rank`` null, ``mla_use_output_gate`` false;
+- HF-saved spellings read as the released ones (two that disagree raise): ``n_routed_experts`` /
+  ``num_local_experts``, ``num_experts_per_tok``, ``n_shared_experts``, ``norm_topk_prob``,
+  ``n_group``, ``linear_num_heads`` / ``linear_num_key_heads`` / ``linear_num_value_heads``,
+  ``linear_head_dim`` / ``linear_key_head_dim`` / ``linear_value_head_dim``,
+  ``linear_conv_kernel_dim``, ``layer_types`` and ``mlp_layer_types`` ('dense'/'sparse' a layer;
+  dense layers must come first);
+- required: the widths (``vocab_size``, ``hidden_size``, heads, MLA ranks and head dims, experts,
+  ``moe_intermediate_size``), the layer schedule (``full_attn_layers`` or ``layer_types``: the
+  references' fallback patterns disagree), and SiTU's two betas when ``hidden_act`` is situ;
+- refused unless at the value the model implements: ``topk_method`` noaux_tc,
+  ``moe_router_activation_func`` sigmoid, ``num_expert_group`` / ``topk_group`` /
+  ``moe_layer_freq`` 1, ``mla_use_nope`` true, ``tie_word_embeddings`` and ``attention_bias`` false,
+  ``num_key_value_heads`` = ``num_attention_heads``, a ``quantization_config`` other than MXFP4;
+- ignored, since they do not change the logits: versions, ``dtype`` / ``torch_dtype`` (the tensors'
+  own dtypes are used), ``architectures``, ``auto_map``, token ids (kept in ``extra``), cache,
+  initializer and dropout settings, positions and rope settings (no positional encoding), MTP layers.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping
+from typing import Any, Callable, Literal, Mapping
+
+from convert.json_schema import Fields
 
 LayerType = Literal["kda", "mla"]
 Activation = Literal["situ", "silu"]
@@ -133,124 +158,178 @@ def _check(cfg: K3Config) -> None:
         raise ConfigError(f"attn_res_block_size: must be positive, got {cfg.attn_res_block_size}")
 
 
-def _pop_layer_types(c: Mapping[str, Any], num_layers: int) -> tuple[LayerType, ...]:
+def _agreed(read: Callable[[Fields, str], Any], *places: tuple[Fields, str]) -> Any:
+    """The value of the first present key among ``places`` (a key and its HF-saved aliases); None
+    if none is present. Two present keys that disagree raise ``ConfigError`` naming both."""
+    found = [(f, k, read(f, k)) for f, k in places if k in f]
+    for f, k, v in found[1:]:
+        if v != found[0][2]:
+            f0, k0, v0 = found[0]
+            raise ConfigError(f"{f.source}: {f0.key(k0)} is {v0!r} but {f.key(k)} is {v!r}; expected one value")
+    return found[0][2] if found else None
+
+
+def _positive(f: Fields, k: str) -> int:
+    return f.int(k, minimum=1)
+
+
+def _layer_types(c: Fields, lac: Fields, num_layers: int) -> tuple[LayerType, ...]:
     """Layer schedule from ``linear_attn_config`` (1-indexed lists) or HF's ``layer_types``."""
-    lac = c.get("linear_attn_config") or {}
-    full = lac.get("full_attn_layers")
-    kda = lac.get("kda_layers")
+    full = lac.int_list("full_attn_layers", None)
+    kda = lac.int_list("kda_layers", None)
     types: list[LayerType] | None = None
     if full is not None:
         bad = [i for i in full if not 1 <= i <= num_layers]
         if bad:
-            raise ConfigError(f"linear_attn_config.full_attn_layers: {bad} outside 1..{num_layers} (1-indexed)")
+            raise ConfigError(f"{c.source}: {lac.key('full_attn_layers')}: {bad} outside 1..{num_layers} (1-indexed)")
         types = ["mla" if i + 1 in set(full) else "kda" for i in range(num_layers)]
         if kda is not None and sorted(kda) != [i + 1 for i, t in enumerate(types) if t == "kda"]:
-            raise ConfigError(
-                "linear_attn_config.kda_layers contradicts full_attn_layers: every layer must be in exactly one"
-            )
-    hf = c.get("layer_types")
+            raise ConfigError(f"{c.source}: {lac.key('kda_layers')} contradicts full_attn_layers: every layer must "
+                              f"be in exactly one")
+    hf = c.str_list("layer_types", None)
     if hf is not None:
-        names = {"linear_attention": "kda", "kda": "kda", "full_attention": "mla", "mla": "mla"}
+        names = {"linear_attention": "kda", "kda_attention": "kda", "kda": "kda", "full_attention": "mla", "mla": "mla"}
         unknown = sorted({t for t in hf if t not in names})
         if unknown:
-            raise ConfigError(f"layer_types: unknown layer type(s) {unknown}")
+            raise ConfigError(f"{c.source}: {c.key('layer_types')}: unknown layer type(s) {unknown}; expected "
+                              f"'linear_attention' or 'full_attention'")
         hf_types = [names[t] for t in hf]
         if len(hf_types) != num_layers:
-            raise ConfigError(f"layer_types: {len(hf_types)} entries but num_hidden_layers is {num_layers}")
+            raise ConfigError(f"{c.source}: {c.key('layer_types')}: {len(hf_types)} entries but num_hidden_layers "
+                              f"is {num_layers}")
         if types is not None and hf_types != types:
-            raise ConfigError("layer_types contradicts linear_attn_config.full_attn_layers")
+            raise ConfigError(f"{c.source}: {c.key('layer_types')} contradicts {lac.key('full_attn_layers')}")
         types = hf_types
     if types is None:
-        raise ConfigError("linear_attn_config.full_attn_layers: missing; cannot tell KDA from MLA layers")
+        raise lac.fail("full_attn_layers", "the 1-indexed MLA layers (or a top-level layer_types list); "
+                       "the references' fallback patterns disagree, so none is assumed")
     return tuple(types)
 
 
-def from_hf_config(config: Mapping[str, Any], name: str = "checkpoint") -> K3Config:
-    """Build a config from a released ``config.json`` dict (Kimi-K3 nested or Kimi-Linear flat)."""
-    c = dict(config.get("text_config") or config)
-    model_type = c.get("model_type", "kimi_linear")
-    if model_type not in ("kimi_linear", "kimi_k3", "kimi_k3_text"):
-        raise ConfigError(f"model_type: {model_type!r} is not a kimi_linear-family model")
+def _first_k_dense(c: Fields, num_layers: int) -> int:
+    """Dense (non-MoE) layers at the start: HF's ``mlp_layer_types`` ('dense' / 'sparse' per layer)
+    if present, else ``first_k_dense_replace`` (HF transformers' default 1)."""
+    k = c.int("first_k_dense_replace", None, minimum=0)
+    kinds = c.str_list("mlp_layer_types", None)
+    if kinds is None:
+        return 1 if k is None else k
+    if len(kinds) != num_layers or not set(kinds) <= {"dense", "sparse"}:
+        raise c.fail("mlp_layer_types", f"{num_layers} entries (num_hidden_layers), each 'dense' or 'sparse'", kinds)
+    dense = kinds.count("dense")
+    if kinds != ["dense"] * dense + ["sparse"] * (num_layers - dense):
+        raise ConfigError(f"{c.source}: {c.key('mlp_layer_types')}: a dense layer after a sparse one (layer "
+                          f"{kinds.index('sparse')} is sparse, layer {kinds.index('dense', kinds.index('sparse'))} "
+                          f"dense); only dense layers first are supported")
+    if k is not None and k != dense:
+        raise ConfigError(f"{c.source}: {c.key('first_k_dense_replace')} is {k} but mlp_layer_types starts with "
+                          f"{dense} dense layer(s); expected one value")
+    return dense
 
-    def need(key: str) -> Any:
-        if c.get(key) is None:
-            raise ConfigError(f"{key}: missing from config")
-        return c[key]
 
-    num_layers = int(need("num_hidden_layers"))
-    hidden = int(need("hidden_size"))
-    lac = c.get("linear_attn_config") or {}
-    for key, want in (("topk_method", "noaux_tc"), ("moe_router_activation_func", "sigmoid")):
-        if c.get(key, want) != want:
-            raise ConfigError(f"{key}: {c[key]!r} is not supported; expected {want!r}")
-    for key in ("num_expert_group", "topk_group", "moe_layer_freq"):
-        if int(c.get(key) or 1) != 1:
-            raise ConfigError(f"{key}: {c[key]} is not supported; expected 1")
-    if c.get("mla_use_nope") is False:
-        raise ConfigError("mla_use_nope: false (rotary MLA) is not supported by kimi_linear models")
-    if int(lac.get("short_conv_kernel_size", 4)) < 1:
-        raise ConfigError("linear_attn_config.short_conv_kernel_size: must be positive")
+def _refuse(c: Fields, key: str, value: Any, supported: Any, why: str) -> None:
+    """Raise ``ConfigError`` naming ``key`` unless ``value`` is the one the model implements."""
+    if value != supported:
+        raise c.fail(key, f"{json.dumps(supported)} ({why})", value)
+
+
+def _situ_beta(c: Fields, act: str, key: str, unused: float) -> float:
+    """A SiTU beta: required with ``hidden_act: situ`` (HF's config defaults it to 1.0 for another
+    formula; the released K3 config gives 4.0 and 25.0), read but unused with SiLU."""
+    if act == "situ" and key not in c:
+        raise c.fail(key, "a number with hidden_act 'situ' (no default is shared by the references)")
+    return c.float(key, unused)
+
+
+def _mx_quantized(q: Fields) -> bool:
+    """True for a compressed-tensors MXFP4 ``quantization_config``; other quantizations raise."""
+    fmt = q.str("format", "")
+    groups = q.fields("config_groups", {})
+    formats = {fmt} | {groups.fields(g).str("format", "") for g in groups}
+    if not any("mxfp4" in f for f in formats):
+        raise q.fail("format", "'mxfp4-pack-quantized' (the only quantization supported)", fmt)
+    return True
+
+
+def from_hf_config(config: Any, name: str = "checkpoint", *, source: str = "config.json") -> K3Config:
+    """Build a config from a released or HF-saved ``config.json`` dict (Kimi-K3 nested, Kimi-Linear
+    flat). ``source`` names the file in errors. Every key is typed; see the module docstring for the
+    defaults (HF transformers' ``KimiLinearConfig``), aliases and refusals."""
+    top = Fields(config, source, ConfigError)
+    c = top.fields("text_config") if "text_config" in top else top
+    c.str("model_type", "kimi_linear", choices=("kimi_linear", "kimi_k3", "kimi_k3_text"))
+    num_layers = c.int("num_hidden_layers", minimum=1)
+    hidden = c.int("hidden_size", minimum=1)
+    heads = c.int("num_attention_heads", minimum=1)
+    lac = c.fields("linear_attn_config", {})
+    _refuse(c, "topk_method", c.str("topk_method", "noaux_tc"), "noaux_tc", "the only router supported")
+    _refuse(c, "moe_router_activation_func", c.str("moe_router_activation_func", "sigmoid"), "sigmoid",
+            "the only router supported")
+    groups = _agreed(Fields.int, (c, "num_expert_group"), (c, "n_group"))
+    _refuse(c, "num_expert_group", 1 if groups is None else groups, 1, "grouped routing is not supported")
+    _refuse(c, "topk_group", c.int("topk_group", 1), 1, "grouped routing is not supported")
+    _refuse(c, "moe_layer_freq", c.int("moe_layer_freq", 1), 1, "every layer after the dense ones is MoE")
+    _refuse(c, "mla_use_nope", c.bool("mla_use_nope", True), True, "kimi_linear MLA has no rotary embedding")
+    _refuse(c, "tie_word_embeddings", c.bool("tie_word_embeddings", False), False, "lm_head is its own tensor")
+    _refuse(c, "attention_bias", c.bool("attention_bias", False), False, "projections have no bias")
+    _refuse(c, "num_key_value_heads", c.int("num_key_value_heads", heads), heads, "MLA has one latent per token")
 
     mla = MLAConfig(
-        num_heads=int(need("num_attention_heads")),
-        q_lora_rank=c.get("q_lora_rank"),
-        kv_lora_rank=int(need("kv_lora_rank")),
-        qk_nope_head_dim=int(need("qk_nope_head_dim")),
-        qk_rope_head_dim=int(need("qk_rope_head_dim")),
-        v_head_dim=int(need("v_head_dim")),
-        output_gate=bool(c.get("mla_use_output_gate", False)),
+        num_heads=heads,
+        q_lora_rank=c.int("q_lora_rank", None, minimum=1),
+        kv_lora_rank=c.int("kv_lora_rank", minimum=1),
+        qk_nope_head_dim=c.int("qk_nope_head_dim", minimum=1),
+        qk_rope_head_dim=c.int("qk_rope_head_dim", minimum=0),
+        v_head_dim=c.int("v_head_dim", minimum=1),
+        output_gate=c.bool("mla_use_output_gate", False),
     )
-    kda_heads = int(lac.get("num_heads", mla.num_heads))
-    if kda_heads <= 0:
-        raise ConfigError(f"linear_attn_config.num_heads: must be positive, got {kda_heads}")
-    if lac.get("head_dim") is None and hidden % kda_heads:
-        raise ConfigError(
-            f"linear_attn_config.head_dim: missing, and hidden_size {hidden} does not divide into {kda_heads} heads"
-        )
-    kda_dim = int(lac.get("head_dim") or hidden // kda_heads)
+    lower_bound = lac.float("gate_lower_bound", None)
+    if lower_bound is not None and lower_bound >= 0:
+        raise lac.fail("gate_lower_bound", "a negative number (the floor of the log decay)", lower_bound)
     kda = KDAConfig(
-        num_heads=kda_heads,
-        head_dim=kda_dim,
-        conv_size=int(lac.get("short_conv_kernel_size", 4)),
-        gate_lower_bound=lac.get("gate_lower_bound"),
-        full_rank_gate=bool(lac.get("use_full_rank_gate", False)),
+        num_heads=_agreed(_positive, (lac, "num_heads"), (c, "linear_num_heads"), (c, "linear_num_key_heads"),
+                          (c, "linear_num_value_heads")) or 32,
+        head_dim=_agreed(_positive, (lac, "head_dim"), (c, "linear_head_dim"), (c, "linear_key_head_dim"),
+                         (c, "linear_value_head_dim")) or 128,
+        conv_size=_agreed(_positive, (lac, "short_conv_kernel_size"), (c, "linear_conv_kernel_dim")) or 4,
+        gate_lower_bound=lower_bound,
+        full_rank_gate=lac.bool("use_full_rank_gate", False),
     )
+    shared = _agreed(lambda f, k: f.int(k, minimum=0), (c, "num_shared_experts"), (c, "n_shared_experts"))
+    renormalize = _agreed(Fields.bool, (c, "moe_renormalize"), (c, "norm_topk_prob"))
     moe = MoEConfig(
-        num_experts=int(need("num_experts")),
-        experts_per_token=int(need("num_experts_per_token")),
-        num_shared_experts=int(c.get("num_shared_experts") or 0),
-        intermediate_size=int(need("moe_intermediate_size")),
-        latent_size=c.get("routed_expert_hidden_size"),
-        latent_norm=bool(c.get("latent_moe_use_norm", False)),
-        routed_scaling_factor=float(c.get("routed_scaling_factor", 1.0)),
-        renormalize=bool(c.get("moe_renormalize", True)),
+        num_experts=_agreed(_positive, (c, "num_experts"), (c, "n_routed_experts"), (c, "num_local_experts"))
+        or c.int("num_experts"),
+        experts_per_token=_agreed(_positive, (c, "num_experts_per_token"), (c, "num_experts_per_tok"))
+        or c.int("num_experts_per_token"),
+        num_shared_experts=1 if shared is None else shared,
+        intermediate_size=c.int("moe_intermediate_size", minimum=1),
+        latent_size=c.int("routed_expert_hidden_size", None, minimum=1),
+        latent_norm=c.bool("latent_moe_use_norm", False),
+        routed_scaling_factor=c.float("routed_scaling_factor", 2.446),
+        renormalize=True if renormalize is None else renormalize,
     )
-    q = c.get("quantization_config") or config.get("quantization_config")
-    mx = False
-    if q:
-        fmt = q.get("format") or ""
-        groups = q.get("config_groups") or {}
-        formats = {fmt} | {g.get("format") for g in groups.values() if isinstance(g, dict)}
-        if not any(f and "mxfp4" in f for f in formats):
-            raise ConfigError(f"quantization_config.format: {fmt!r} unsupported; only mxfp4-pack-quantized")
-        mx = True
+    act = c.str("hidden_act", "silu", choices=("situ", "silu"))
+    q = c.fields("quantization_config") if "quantization_config" in c else top.fields("quantization_config", None)
+    eps = c.float("rms_norm_eps", 1e-5)
+    if eps <= 0:
+        raise c.fail("rms_norm_eps", "a positive number", eps)
     return K3Config(
-        vocab_size=int(need("vocab_size")),
+        vocab_size=c.int("vocab_size", minimum=1),
         hidden_size=hidden,
-        layer_types=_pop_layer_types(c, num_layers),
+        layer_types=_layer_types(c, lac, num_layers),
         kda=kda,
         mla=mla,
         moe=moe,
-        first_k_dense_replace=int(c.get("first_k_dense_replace", 0)),
-        dense_intermediate_size=int(c.get("intermediate_size") or 0),
-        hidden_act=c.get("hidden_act", "silu"),
-        situ_beta=float(c.get("activation_situ_beta", 4.0)),
-        situ_linear_beta=float(c.get("activation_situ_linear_beta", 25.0)),
-        rms_norm_eps=float(c.get("rms_norm_eps", 1e-5)),
-        attn_res_block_size=c.get("attn_res_block_size"),
-        mx_experts=mx,
+        first_k_dense_replace=_first_k_dense(c, num_layers),
+        dense_intermediate_size=c.int("dense_ffn_hidden", None, minimum=1) or c.int("intermediate_size", 9216, minimum=1),
+        hidden_act=act,
+        situ_beta=_situ_beta(c, act, "activation_situ_beta", 4.0),
+        situ_linear_beta=_situ_beta(c, act, "activation_situ_linear_beta", 25.0),
+        rms_norm_eps=eps,
+        attn_res_block_size=c.int("attn_res_block_size", 0, minimum=0) or None,
+        mx_experts=q is not None and _mx_quantized(q),
         name=name,
-        extra={k: v for k, v in c.items() if k in ("bos_token_id", "eos_token_id", "pad_token_id")},
+        extra={k: c.data[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in c},
     )
 
 

@@ -44,7 +44,7 @@ def test_extra_keys_are_ignored_and_hf_layer_types_accepted():
         (lambda c: c.update(layer_types=["linear_attention"] * 27), "layer_types"),
         (lambda c: c["linear_attn_config"].update(kda_layers=[1, 2, 3]), "kda_layers"),
         (lambda c: c["linear_attn_config"].update(full_attn_layers=[4, 28]), "full_attn_layers"),
-        (lambda c: c["linear_attn_config"].update(head_dim=None, num_heads=7), "head_dim"),
+        (lambda c: c["linear_attn_config"].update(head_dim="128"), "linear_attn_config.head_dim"),
         (lambda c: c.update(topk_method="greedy"), "topk_method"),
         (lambda c: c.update(num_expert_group=8), "num_expert_group"),
         (lambda c: c.update(num_experts_per_token=300), "num_experts_per_token"),

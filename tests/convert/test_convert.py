@@ -12,7 +12,7 @@ from flax import nnx
 
 from convert import convert, export_checkpoint, read_params, write_synthetic
 from convert.cli import build_parser, main
-from convert.orbax_io import MANIFEST
+from convert.manifest import MANIFEST
 from convert.testing import k3_config, linear_config, same_bytes
 from k3jax.checkpoint import from_params, load
 from k3jax.config import from_hf_config

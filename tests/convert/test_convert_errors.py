@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 
 from convert import CheckpointError, ConversionError, convert, read_params, write_synthetic
-from convert.orbax_io import MANIFEST, PARTS
+from convert.manifest import MANIFEST, PARTS
 from convert.safetensors_io import INDEX_FILE, open_checkpoint
 from convert.testing import copy_folder, edit_tensors, k3_config, linear_config, same_bytes
 
-conv = importlib.import_module("convert.conversion")
+partial_module = importlib.import_module("convert.partial")
+integrity = importlib.import_module("convert.integrity")
 PART = 16 << 10  # small parts: many of them, so interruptions land midway
 
 
@@ -90,8 +91,8 @@ def test_wrong_shape(linear_src, tmp_path):
 
 def test_wrong_dtype(linear_src, tmp_path):
     src = copy_folder(linear_src, tmp_path / "src")
-    edit_tensors(src, lambda t: {**t, Q: t[Q].astype(np.float32)}, shard=_shard_of(src, Q))
-    _convert_fails(src, tmp_path, rf"tensor '{Q}' is F32 \[16, 40\]; expected BF16 \[16, 40\]")
+    edit_tensors(src, lambda t: {**t, Q: t[Q].astype(np.int32)}, shard=_shard_of(src, Q))
+    _convert_fails(src, tmp_path, rf"tensor '{Q}' is I32 \[16, 40\]; expected BF16, F16 or F32 \[16, 40\]")
 
 
 def test_truncated_shard(linear_src, tmp_path):
@@ -137,7 +138,7 @@ def test_config_does_not_match_tensors(linear_src, k3_src, tmp_path):
 
 def _fail_on_call(n, exc):
     calls = {"n": 0}
-    real = conv.write_part
+    real = partial_module.write_part
 
     def write(directory, leaves):
         calls["n"] += 1
@@ -164,7 +165,7 @@ def _assert_resumes_to(src, out, reference, failed):
 
 def test_disk_full_midway_then_resume(linear_src, reference, tmp_path, monkeypatch):
     out = tmp_path / "out"
-    monkeypatch.setattr(conv, "write_part", _fail_on_call(3, OSError(errno.ENOSPC, "No space left on device")))
+    monkeypatch.setattr(partial_module, "write_part", _fail_on_call(3, OSError(errno.ENOSPC, "No space left on device")))
     with pytest.raises(ConversionError, match=r"part_00002: writing failed .*No space left.*rerun with --resume"):
         convert(linear_src, out, quiet=True, part_bytes=PART)
     monkeypatch.undo()
@@ -173,7 +174,7 @@ def test_disk_full_midway_then_resume(linear_src, reference, tmp_path, monkeypat
 
 def test_interrupt_then_resume(linear_src, reference, tmp_path, monkeypatch):
     out = tmp_path / "out"
-    monkeypatch.setattr(conv, "write_part", _fail_on_call(5, KeyboardInterrupt()))
+    monkeypatch.setattr(partial_module, "write_part", _fail_on_call(5, KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt):
         convert(linear_src, out, quiet=True, part_bytes=PART)
     monkeypatch.undo()
@@ -184,15 +185,15 @@ def test_resume_after_kill(linear_src, reference, tmp_path):
     out = tmp_path / "out"
     script = textwrap.dedent(f"""
         import importlib, os
-        conv = importlib.import_module("convert.conversion")
-        real, calls = conv.write_part, []
+        partial = importlib.import_module("convert.partial")
+        real, calls = partial.write_part, []
         def write(d, leaves):
             calls.append(d)
             if len(calls) == 4:
                 os.kill(os.getpid(), 9)
             real(d, leaves)
-        conv.write_part = write
-        conv.convert({str(linear_src)!r}, {str(out)!r}, quiet=True, part_bytes={PART})
+        partial.write_part = write
+        importlib.import_module("convert.conversion").convert({str(linear_src)!r}, {str(out)!r}, quiet=True, part_bytes={PART})
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=300)
     assert proc.returncode == -9, proc.stderr.decode()[-2000:]
@@ -201,7 +202,7 @@ def test_resume_after_kill(linear_src, reference, tmp_path):
 
 def test_resume_refuses_a_different_source(linear_src, k3_src, tmp_path, monkeypatch):
     out = tmp_path / "out"
-    monkeypatch.setattr(conv, "write_part", _fail_on_call(2, OSError(errno.EIO, "I/O error")))
+    monkeypatch.setattr(partial_module, "write_part", _fail_on_call(2, OSError(errno.EIO, "I/O error")))
     with pytest.raises(ConversionError):
         convert(linear_src, out, quiet=True, part_bytes=PART)
     monkeypatch.undo()
@@ -209,9 +210,9 @@ def test_resume_refuses_a_different_source(linear_src, k3_src, tmp_path, monkeyp
         convert(k3_src, out, quiet=True, part_bytes=PART, resume=True)
 
 
-def test_verify_catches_corrupt_output(linear_src, tmp_path, monkeypatch):
+def test_verify_catches_corrupt_output_and_resume_rewrites_the_part(linear_src, reference, tmp_path, monkeypatch):
     out = tmp_path / "out"
-    real = conv.read_part
+    real = integrity.read_part
 
     def corrupt(directory):
         leaves = real(directory)
@@ -220,10 +221,15 @@ def test_verify_catches_corrupt_output(linear_src, tmp_path, monkeypatch):
         leaves[key].reshape(-1).view(np.uint8)[0] ^= 1
         return leaves
 
-    monkeypatch.setattr(conv, "read_part", corrupt)
-    with pytest.raises(ConversionError, match=r"differs from .* on re-read"):
+    monkeypatch.setattr(integrity, "read_part", corrupt)
+    with pytest.raises(ConversionError, match=r"part_00000: .* differs from .* on re-read; .*part_00000 was removed, "
+                                              r"rerun with --resume"):
         convert(linear_src, out, quiet=True, part_bytes=PART, verify=True)
+    monkeypatch.undo()
     assert not out.exists()
+    convert(linear_src, out, quiet=True, part_bytes=PART, verify=True, resume=True)
+    got = read_params(out)
+    assert all(same_bytes(got[k], reference[k]) for k in reference)
 
 
 def test_existing_output_is_not_overwritten(linear_src, tmp_path):
