@@ -36,9 +36,9 @@ from kernel_profile import (chain_listing, chain_table, critical_path, device_ti
 def warm_up(step, seconds: float = 6.0) -> None:
     """Calls ``step()`` (a decode step returning an array to wait on) for ``seconds`` before timed rounds. An H200
     lease idles at 345 MHz, and a GPU's decode steps stay slow for seconds after it wakes: `mini`'s B=1 step read
-    1.1-1.5 ms in processes that timed 3-5 rounds right after compiling, and after 2 s of steps the first 3-4 of
-    decode_variants' rounds still read 1.0-1.14 ms; after 6 s every round read 0.85-0.95 (benchmarks/RESULTS.md,
-    issue 4, twenty-second session). The clock starts after a first call (which may compile)."""
+    1.1-1.5 ms in processes that timed 3-5 rounds right after compiling, and after 2 s of steps the first 3-4
+    rounds of a variant comparison still read 1.0-1.14 ms; after 6 s every round read 0.85-0.95
+    (benchmarks/HISTORY.md, 2026-12-02). The clock starts after a first call (which may compile)."""
     jax.block_until_ready(step())
     until = time.perf_counter() + seconds
     while time.perf_counter() < until:

@@ -37,7 +37,7 @@ from pallas_kernels.kda.triton import intra_chunk, state_walk
 
 H, K, V, LOWER = 96, 128, 128, -5.0
 SHAPES = [(1, 8192), (1, 32768), (8, 4096)]
-FLA_RECORDED_MS = {(1, 8192): 2.613, (1, 32768): 10.385, (8, 4096): 9.914}  # 2026-11-30, RESULTS.md
+FLA_RECORDED_MS = {(1, 8192): 2.613, (1, 32768): 10.385, (8, 4096): 9.914}  # benchmarks/HISTORY.md, 2026-11-30
 PREFILL_VARIANTS = {  # in order of priority: the first (the default) is timed through the public API too
     "c32_v64": KDABlocks(chunk=32, block_v=64),  # 2026-11-30: 2.54 ms at B1 T8192 (intra 1.73, walk 0.74)
     "c32w8_v64": KDABlocks(chunk=32, block_v=64, warps_intra=8),

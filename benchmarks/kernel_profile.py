@@ -26,14 +26,14 @@ unless compiled with ``xla_enable_command_buffers_during_profiling``; the profil
 The critical path: in the decode step's command buffer in XLA's concurrent order
 (``k3jax.inference.DECODE_GPU_OPTIONS``) a kernel starts once the kernels it reads from are done, so the
 step takes about its longest chain of dependent kernels, each with one launch gap (about 0.7 us on the
-H200), and kernels beside that chain cost nothing (benchmarks/RESULTS.md, issue 4, eighteenth session).
+H200), and kernels beside that chain cost nothing (benchmarks/HISTORY.md, 2026-12-02).
 ``critical_path`` finds that chain in the entry computation's operand graph, weighing each instruction by
 its kernels' device time (from a profile with command buffers off) plus a gap per kernel.
 
 Work on the weights alone: ``weight_only`` lists the entry instructions computed from the jitted function's
 ``weights`` argument and constants only, which every call repeats on the same values. At a `mini` prefill chunk
 these were 33 copies of the layers' projection weights, XLA's dot merger joining each layer's matmuls into one
-(benchmarks/RESULTS.md, issue 4, thirty-first session; the prefill now compiles without it).
+(benchmarks/HISTORY.md, 2026-12-03; the prefill now compiles without it).
 """
 
 from __future__ import annotations

@@ -471,7 +471,7 @@ def bench_grouped(key, quick: bool, focus: bool) -> None:
 
 MOE_SHAPES = {"K3": ((896, 3072, 3584, 16), (1, 2, 4, 8, 16, 64)), "mini": ((64, 768, 1024, 8), (1, 8, 16, 64))}
 # The split MoE is timed up to this many tokens: at K3 never (slower than the sorted dispatch from one token; its
-# unrolled Triton programs took 6.4 minutes to compile there: benchmarks/HISTORY.md, 2026-12-02)
+# unrolled Triton programs took 6.4 minutes to compile there: benchmarks/HISTORY.md, 2026-12-03)
 FUSED_MOE_MAX_TOKENS = {"K3": 0, "mini": 8}
 TILED_MOE_BM = (8, 16)  # pair rows per tile of the tiled Mosaic GPU MoE at decode
 # The two-kernel MoE at one token: (hidden units, contracted elements, warps) of the hidden kernel with the

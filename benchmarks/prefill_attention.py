@@ -9,8 +9,8 @@ expanded keys (the peer), in one run.
 Per case (a chunk at the end of S keys): relative error of each form against float32 attention
 from the same bf16 inputs (``causal_attention`` on the expanded keys), then median times and rates counted on the
 visible (query, key) pairs only: 2 * pairs * H * (nope + rope + value). The JAX forms are timed in rounds of calls
-dispatched ahead (``benchmarks.kda.time_jax``; until the twenty-second session, one synchronized call at a time, which
-counted the host's dispatch in), the peer by CUDA events around each call.
+dispatched ahead (``benchmarks.kda.time_jax``; until 2026-12-02, one synchronized call at a time, which counted the
+host's dispatch in), the peer by CUDA events around each call.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ def offsets_wrap(*arrays) -> bool:
     Measured on the H200: the grouped MX kernel over 400 and 448 of K3's experts (w1 codes of 2.2e9 and
     2.5e9 bytes) gave relative errors of 0.15 and 0.41-0.55, over 384 (2.1e9) and 896 (4.9e9, 64-bit
     offsets) the right products; K3's bf16 output head (1.2e9 elements) through the matvec kernel was right
-    (benchmarks/RESULTS.md, twenty-sixth session). Callers take another path for such operands (arrays or
+    (benchmarks/HISTORY.md, 2026-12-03, MX run 16). Callers take another path for such operands (arrays or
     ``jax.ShapeDtypeStruct``)."""
     for a in arrays:
         elements = math.prod(a.shape)

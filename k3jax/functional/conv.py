@@ -45,8 +45,8 @@ def causal_conv(
 
     Each tap reads x delayed (``_delayed``), not a slice of the state and x concatenated: XLA keeps
     such a concatenation, read at W offsets, as an array of its own (on the H200 a 2048-token prefill
-    chunk spent 21 us a KDA input writing it, then 14 us on the conv; benchmarks/RESULTS.md, issue 4,
-    twenty-eighth session), where a delayed copy per tap fuses into the conv.
+    chunk spent 21 us a KDA input writing it, then 14 us on the conv; benchmarks/HISTORY.md,
+    2026-12-03), where a delayed copy per tap fuses into the conv.
     """
     B, T, F = x.shape
     W = weight.shape[-1]

@@ -24,8 +24,8 @@ _GROUPED = jax.lax.RaggedDotDimensionNumbers(
 def expert_order(experts: Array) -> Array:
     """experts int [P] -> int32 [P]: the pairs' stable order by expert (``jnp.argsort`` with ``stable=True``).
     The keys stay int32: uint8 / uint16 keys (which XLA sorts by CUB's radix sort on Hopper) measured no
-    faster in `mini`'s 8K prefill and 6% slower in its B=64 decode step (benchmarks/RESULTS.md, issue 4,
-    seventeenth session)."""
+    faster in `mini`'s 8K prefill and 6% slower in its B=64 decode step (benchmarks/HISTORY.md,
+    2026-12-02)."""
     return jnp.argsort(experts, stable=True).astype(jnp.int32)
 
 

@@ -7,14 +7,12 @@ value dotted with the query ``mix_norm_weight * mix_proj_weight``, a softmax ove
 first ``count`` stored blocks, then the partial) weighs the raw sources, the sum is rounded to the
 partial's dtype, then RMS-normed (float32 inside, rounded to the partial's dtype again).
 
-XLA runs a mix as a fusion of 128 programs that each recompute the softmax over depth (about
-3.9 us a mix on the H200 at mini's D = 2048); done inside every program of the matvec kernel that
-reads it, the recomputation cost more than it saved (sixth session, benchmarks/RESULTS.md). Here
-one program per row loads its sources once, whole (D padded to a power of two, masked), and writes
-the normed row that the matvec kernel then reads without a norm of its own. The Pallas path takes it
-at every row count (``k3jax.layers.basic.MIX_KERNEL_ANY_ROWS``): on the H200 the batched decode steps
-were faster with it (B=64 2.26 against 2.40 ms, best of 8 rounds), an 8K prefill chunk no different (twenty-ninth
-session). Interpret mode on CPU.
+XLA runs a mix as a fusion of 128 programs that each recompute the softmax over depth (about 3.9 us a
+mix on the H200 at mini's D = 2048); done inside every program of the matvec kernel that reads it, the
+recomputation cost more than it saved (benchmarks/HISTORY.md, 2026-12-01). Here one program per row
+loads its sources once, whole (D padded to a power of two, masked), and writes the normed row that the
+matvec kernel then reads without a norm of its own. Where the Pallas path takes it
+(``KernelPolicy.mix_kernel_any_rows``) and why: README.md. Interpret mode on CPU.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 ``forward`` runs two kernels:
 
-1. ``kernel.intra_chunk`` (Pallas' Triton lowering on the GPU, as in ``ops``) at ``CHUNK`` = 32 tokens:
+1. ``triton.intra_chunk`` (Pallas' Triton lowering on the GPU, as in ``ops``) at ``CHUNK`` = 32 tokens:
    W, U, A_qk, the decayed queries and keys and exp(G_C) of every chunk.
 2. ``state_walk`` (this module, Mosaic GPU): grid (V / BLOCK_V, H, B), one warpgroup per program walks
    the chunks in order with the state block S [K, BLOCK_V] float32 in registers. Per chunk, with the

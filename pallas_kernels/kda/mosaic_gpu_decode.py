@@ -1,6 +1,6 @@
 """KDA decode step lowered through Mosaic GPU (Hopper TMA): one token per sequence, state updated in place.
 
-``decode_step`` has the contract of ``kernel.decode_step`` (plain, or the fused gates with
+``decode_step`` has the contract of ``triton.decode_step`` (plain, or the fused gates with
 ``gate_params``). Per (batch, head) and state block S [K, block_v] (float32), with q, k, g [K], v
 [block_v] and beta (the README's decode section): S' = Diag(exp g) S, r = v - S'^T k,
 o = scale (S'^T q + (beta k . q) r), S <- S' + beta k r^T.
@@ -48,7 +48,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-# Measured fastest on the H200 (benchmarks/RESULTS.md): two programs per SM, three slots of 64 columns.
+# Measured fastest on the H200 (benchmarks/HISTORY.md, 2026-11-30): two programs per SM, three slots of 64 columns.
 BLOCK_V = 64
 SLOTS = 3
 PROGRAMS_PER_SM = 2
@@ -179,7 +179,7 @@ def decode_step(q, k, v, g, beta, state, gate_params=None, *, scale, lower_bound
                 interpret=False):
     """One token per sequence: q, k, g [B, H, K]; v [B, H, V]; beta [B, H]; state [B, H, K, V] float32.
     gate_params None, or (exp(A_log) [H, K], dt_bias [H, K]) float32 for the fused gates (then g holds
-    the raw z, beta the logits and q, k are not yet normalized), as ``kernel.decode_step``.
+    the raw z, beta the logits and q, k are not yet normalized), as ``triton.decode_step``.
 
     block_v: state columns per tile; slots: tiles in shared memory per program (>= 2); programs:
     ``num_programs``, or ``programs_per_sm`` per SM of the GPU; compiler_params: ``COMPILER_PARAMS``

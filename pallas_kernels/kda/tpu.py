@@ -1,6 +1,6 @@
 """Chunked KDA forward and decode step for Pallas' Mosaic TPU lowering (bounded gate, spec section 3).
 
-Same maths and contracts as ``kernel.py`` (the Triton kernels); README.md, section "TPU (Mosaic TPU)",
+Same maths and contracts as ``triton.py`` (the Triton kernels); README.md, section "TPU (Mosaic TPU)",
 has the details. In short:
 
 ``forward``: one fused kernel, grid (B, H, T / chunk) with the chunk axis sequential ("arbitrary"),
@@ -9,7 +9,7 @@ the float32 state [K, V] in a VMEM scratch across chunks. The wrapper transposes
 [B, H, T / chunk, chunk], one whole (batch, head) row block fetched once. Per chunk: the cumulative
 log decay G (a triangular matmul; Pallas TPU has no cumsum), the decay-weighted Gram matrices A_kk,
 A_qk [chunk, chunk], (I + A_kk)^-1, W and U, then the outputs and the next state. The decay
-factorization stays per 16-token sub-tile as in ``kernel.py``: exp(G_i - G_j) = exp(G_i - r)
+factorization stays per 16-token sub-tile as in ``triton.py``: exp(G_i - G_j) = exp(G_i - r)
 exp(r - G_j), r the sub-tile midpoint on the diagonal blocks (both factors within e^+-40 when every
 g >= -5) and the last token of the earlier sub-tile off the diagonal (both factors <= 1). Each
 earlier sub-tile b gives one [chunk, K] x [K, chunk] product (rows: the later sub-tiles; columns: b's
@@ -19,12 +19,12 @@ tokens), so the MXU sees chunk-sized products rather than 16 x 16 blocks.
 reads each head's [K, V] state once, applies decay, delta correction and output elementwise in float32
 and writes the state back over its input buffer.
 
-Matmuls: float32 at HIGHEST precision for what ``kernel.py`` computes in float32 (G, the Gram matrices,
+Matmuls: float32 at HIGHEST precision for what ``triton.py`` computes in float32 (G, the Gram matrices,
 the triangular inverse, W, U); bf16 operands with float32 accumulation for the four state products
-(``kernel.py``'s ``inter_dtype`` bf16): W S, (q exp G) S, A_qk V', (k exp(G_C - G))^T V'.
+(``triton.py``'s ``inter_dtype`` bf16): W S, (q exp G) S, A_qk V', (k exp(G_C - G))^T V'.
 
 Verified on CPU only: TPU interpret mode for the values, and lowering for the TPU platform
-(``tests/test_kda_tpu.py``), which covers Pallas' Mosaic TPU lowering but not Mosaic's own layout
+(``tests/kernels/kda/test_tpu.py``), which covers Pallas' Mosaic TPU lowering but not Mosaic's own layout
 passes and compiler (in libtpu, on a real TPU). Not yet run on a TPU.
 """
 

@@ -17,7 +17,7 @@ state is updated where it lies (the output aliases it).
 (sequence, ``CHUNK_ROWS`` tokens, input and block of channels) takes the W-1 inputs before its first token (from x,
 or from the state) and walks its tokens, summing in the decode step's order. The state after the chunk is left to
 XLA (``k3jax.functional.conv.last_inputs``). On the H200 it took 44-45 us a `mini` KDA layer at a 2048-token chunk
-against 48-77 for XLA's fusion (benchmarks/RESULTS.md, issue 4, thirty-first session). Interpret mode on CPU.
+against 48-77 for XLA's fusion (benchmarks/HISTORY.md, 2026-12-03). Interpret mode on CPU.
 """
 
 from __future__ import annotations

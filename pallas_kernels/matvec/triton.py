@@ -24,7 +24,7 @@ of two inputs (a shared expert's act(gate, up)), an RMS norm over the row, and a
 the products' dtype). Every program recomputes it from x (small: M x D, from L2): a norm's statistics
 come from the tile where it holds the whole row, else from one pass over x before the product loop.
 (KDA's gated per-head output norm was a prologue too, for o_proj; on the H200 that step measured
-2-3% slower than XLA's norm and einsum, so it went: benchmarks/RESULTS.md, issue 4, seventh session.)
+2-3% slower than XLA's norm and einsum, so it went: benchmarks/HISTORY.md, 2026-12-01.)
 
 Output epilogue (``add``): arrays added to an output after its rounding, each sum rounded again (the
 residual adds after a layer's last projection, and a MoE's shared-expert output), so that no XLA add
@@ -41,13 +41,13 @@ with the same mask; D need not be a multiple of bk (column mask on the last chun
 weights may be bf16 or float32, independently.
 
 Tiles (``MatvecBlocks``, ``DEFAULT_BLOCKS``): bn weight rows per program, bk columns per step,
-Triton's num_warps and num_stages. Defaults from two H200 sweeps at mini's shapes
-(``benchmarks/matvec.py``, benchmarks/RESULTS.md, issue 4): at M = 1, bn 4, bk 2048, 4 warps took
+Triton's num_warps and num_stages. Defaults from two H200 sweeps at mini's shapes (benchmarks/HISTORY.md,
+2026-11-30 and 2026-12-01; the sweep's script has since been removed): at M = 1, bn 4, bk 2048, 4 warps took
 6.59 us for the KDA group (9.0 MB; XLA's einsums 7.94 us; bn 8 bk 1024 7.62 us) and 7.03 us for the
 MoE group (11.0 MB; XLA 10.20 us; bn 8 bk 1024 7.70 us). At M = 8 the kernel is 1.5-3x slower than
-XLA, and so is the dot form on the MoE group (its float32 router): use it at M = 1. On GPU the kernel
-lowers through Pallas' Triton backend (chosen by passing Triton compiler params); on CPU it runs in
-interpret mode (``k3jax.implementation.pallas_interpret``).
+XLA, and so is the dot form on the MoE group (its float32 router): the layers take it at M = 1
+(``KernelPolicy.matvec_max_rows``). On GPU the kernel lowers through Pallas' Triton backend (chosen by
+passing Triton compiler params); on CPU it runs in interpret mode (``pallas_kernels._platform.interpret``).
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ _F32 = jnp.float32
 class AttentionBlocks:
     """block_q queries per program, block_k keys per loop step (powers of two from 16); Triton's
     num_warps and num_stages. Default: the best of six at `mini`'s shapes on the H200, 2048 queries
-    over 2048 and 8192 keys (benchmarks/RESULTS.md)."""
+    over 2048 and 8192 keys (benchmarks/HISTORY.md, 2026-12-01)."""
 
     block_q: int = 128
     block_k: int = 64

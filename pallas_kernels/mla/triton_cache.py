@@ -6,7 +6,7 @@ what the MLA layer computes as
     c_kv.at[b, positions[b]].set(rms_norm(c[b, :R], norm_weight, eps).astype(c_kv.dtype), mode="drop")
     k_pe.at[b, positions[b]].set(c[b, R:].astype(k_pe.dtype), mode="drop")
 
-(``k3jax.layers.mla.MLA.latent``; the norm in float32, rounded to c's dtype, then to the cache's).
+(``k3jax.functional.mla.write_latents``; the norm in float32, rounded to c's dtype, then to the cache's).
 XLA runs this as about six kernels a layer at a batch-1 step (two slices, the norm's reduction, a
 bounds check, two scatters); here one program per sequence loads its row once and writes both
 rows of the cache where they lie (the outputs alias the caches). A position at or past the cache's

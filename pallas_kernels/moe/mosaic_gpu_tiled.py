@@ -15,8 +15,8 @@ counting, not a sort (``pair_slots``):
 
 The layout's static bound is ceil(T k / bm) + min(E, T k) tiles; tiles past the experts' are not computed and
 never read. Pairs whose expert is outside [0, E) (under expert parallelism, those of another device's experts)
-take no slot and add nothing. Measured on the H200 at ``mini``'s prefill chunk: benchmarks/RESULTS.md (MX runs 13
-and 18).
+take no slot and add nothing. Measured on the H200 at ``mini``'s prefill chunk: benchmarks/HISTORY.md,
+2026-12-02 and 2026-12-03 (MX runs 13 and 18).
 """
 
 from __future__ import annotations

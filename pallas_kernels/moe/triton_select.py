@@ -38,7 +38,7 @@ def _scores_and_choice(logits: Array, bias: Array) -> tuple[Array, Array]:
 
 
 # Router logits per program of ``select_experts``: a block of this many over E' (at least one token). 0: one token
-# per program. On the H200 (benchmarks/RESULTS.md, issue 4, twenty-ninth session) `mini`'s 2048 and 8192-token
+# per program. On the H200 (benchmarks/HISTORY.md, 2026-12-03) `mini`'s 2048 and 8192-token
 # prefill chunks took 8.1 us against 17.2 and 56.2 a token a program; at K3's 896 experts a block is one token.
 SELECT_BLOCK_LOGITS = 1024
 

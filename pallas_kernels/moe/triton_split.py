@@ -223,11 +223,11 @@ def _routed_moe_mx_split(x, w1, w3, w2, logits, correction_bias, *, act, k: int,
 
 # Hidden kernel: bn hidden units per program, bk contracted elements per tile (the accumulator's width is
 # bk / 2); down kernel: bn output rows per program, bk hidden units per tile. No loops, so no stages. From
-# the seventh session's sweep at `mini`'s shape (H200, benchmarks/RESULTS.md).
+# a sweep at `mini`'s shape (H200, benchmarks/HISTORY.md, 2026-12-01).
 SPLIT_MOE_BLOCKS = MXBlocks(bm=1, bn=16, bk=512, num_warps=8, num_stages=1, gemv=True)
 SPLIT_MOE_DOWN_BLOCKS = MXBlocks(bm=1, bn=8, bk=256, num_warps=4, num_stages=1, gemv=True)
-# One token: one output row per down program (1024 programs at `mini`), from the twelfth session's sweep
-# with the weights from DRAM (15.2 us a layer against 16.0 with the tiles above; at 8 tokens 79.9 against 63.5).
+# One token: one output row per down program (1024 programs at `mini`), from a sweep with the weights from DRAM
+# (15.2 us a layer against 16.0 with the tiles above; at 8 tokens 79.9 against 63.5; benchmarks/HISTORY.md, 2026-12-01).
 SPLIT_MOE_DOWN_BLOCKS_ONE_TOKEN = MXBlocks(bm=1, bn=1, bk=256, num_warps=2, num_stages=1, gemv=True)
 # h between the two kernels, planar: [T*k, F/32, 2, 16], each block of 32 hidden units stored as its 16 even
 # units, then its 16 odd ones, so the down kernel loads each plane of h whole, in the layout of the decoded

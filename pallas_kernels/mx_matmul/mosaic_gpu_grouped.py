@@ -42,11 +42,11 @@ from pallas_kernels.mx_matmul.mosaic_gpu import (
 
 _GROUPS_PER_COPY = 32  # tile groups (int32) per copy: 128 bytes, a multiple of the warpgroup size as Mosaic GPU asks
 # x rows per tile (wgmma's N) and steps: the fastest kernel of bm 64 / 128 and (bk, stages) (128, 3) / (256, 2)
-# at `mini`'s prefill chunk (benchmarks/RESULTS.md, MX run 13)
+# at `mini`'s prefill chunk (benchmarks/HISTORY.md, 2026-12-02, MX run 13)
 DEFAULT_BM = 64
 DEFAULT_BLOCKS = MosaicBlocks(bk=256, stages=2)
 # Tiles of x rows by the rows a group holds on average: half that average, rounded down to a power of two, from
-# SPARSE_BM (wgmma's smallest N) to DEFAULT_BM. On the H200 (MX runs 13, 15 and the twenty-eighth session's): at 1-64
+# SPARSE_BM (wgmma's smallest N) to DEFAULT_BM. On the H200 (benchmarks/HISTORY.md, MX runs 13, 15, 19): at 1-64
 # K3 tokens (1-9 rows a group) 8-row tiles were fastest; at a K3 2048-token chunk (37 rows a group) 16-row ones
 # (17.2 ms against 24.6 for 8, 17.6 for 32, 19.5 for 64); at `mini`'s 2048-token chunk (256) 64-row ones (against 128).
 SPARSE_BM = 8
@@ -83,7 +83,7 @@ def tiled_rows(group_sizes: Array, m: int, bm: int) -> tuple[Array, Array]:
     starts, tile_groups = group_tiles(sizes, m, bm)
     row_ends = jnp.cumsum(sizes)
     rows = jnp.arange(m, dtype=jnp.int32)
-    # compare_all: one fusion; the default scan is a loop of small kernels (about 50 us at 16384 rows, RESULTS)
+    # compare_all: one fusion; the default scan is a loop of small kernels (about 50 us at 16384 rows, HISTORY.md)
     group = jnp.searchsorted(row_ends, rows, side="right", method="compare_all").astype(jnp.int32)
     g = jnp.minimum(group, n_groups - 1)
     dest = starts[g] + rows - (row_ends[g] - sizes[g])
@@ -116,8 +116,8 @@ def grouped_mx_matmul_mosaic(x: Array, codes: Array, scales: Array, group_sizes:
 
     bm: x rows per tile, a multiple of 8 up to 256. Gathers x's rows into the tiled layout
     (``tiled_rows``, ``tiled_operand``) and the output's back around ``tiled_mx_matmul``: a caller that
-    builds the layout from its own rows (``moe_tiled``) saves a copy of x's sorted rows. ``interpret``: False on the GPU, or
-    ``interpret_params()`` on a CPU.
+    builds the layout from its own rows (``pallas_kernels.moe.mosaic_gpu_tiled``) saves a copy of x's sorted
+    rows. ``interpret``: False on the GPU, or ``interpret_params()`` on a CPU.
     """
     m, k = x.shape
     n_groups, n, _ = codes.shape
@@ -136,8 +136,8 @@ def tiled_operand(x: Array, slots: Array, sources: Array, rows: int, bk: int) ->
     """The kernel's x operand in the tiled layout, bf16 [rows, K padded to bk]: slot slots[i] holds row
     sources[i] of x [M, K] (slots past the layout are dropped), every other slot zeros. x's columns are
     permuted on its M rows (``x_operand``, plus a zero row M), then whole rows gathered: the barrier keeps
-    XLA from fusing the two into an element-by-element gather over the layout's rows (benchmarks/RESULTS.md,
-    MX run 13)."""
+    XLA from fusing the two into an element-by-element gather over the layout's rows (benchmarks/HISTORY.md,
+    2026-12-02, MX run 13)."""
     m = x.shape[0]
     src = jnp.full((rows,), m, jnp.int32).at[slots].set(sources.astype(jnp.int32), mode="drop")
     return jax.lax.optimization_barrier(x_operand(x, m + 1, bk))[src]

@@ -47,8 +47,8 @@ LOWERINGS = ("auto", "triton", "mosaic_tpu")
 
 
 def default_blocks(m: int, grouped: bool = False) -> MXBlocks:
-    """Tile sizes and method by the number of rows M, the best of the H200 sweep (benchmarks/HISTORY.md,
-    2026-12-01) at dense M = 1, 16, 512, 4096 and grouped decode / prefill; the rows between (dense
+    """Tile sizes and method by the number of rows M, the best of the H200 sweeps (benchmarks/HISTORY.md,
+    2026-11-30 and 2026-12-01) at dense M = 1, 16, 512, 4096 and grouped decode / prefill; the rows between (dense
     17..511) are unmeasured. The Mosaic GPU kernel and decode-then-dot by ``KernelPolicy``."""
     policy = current().policy
     if m <= policy.mx_mosaic_gpu_max_rows and not grouped and _platform.mosaic_gpu_runs():

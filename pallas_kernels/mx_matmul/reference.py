@@ -1,7 +1,7 @@
 """Readable float32 oracles for the MX matmuls: decode, then an ordinary (or ragged) dot.
 
-These are the CPU fallback and the test oracle of ``kernel.py``. Weights are ``MXTensor`` in the
-PyTorch [out, in] layout, so ``y = x @ w.T``.
+These are the CPU fallback and the test oracle of the kernels (``triton.py``, ``mosaic_gpu*.py``,
+``tpu.py``). Weights are ``MXTensor`` in the PyTorch [out, in] layout, so ``y = x @ w.T``.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ code tile is whole 128-lane tiles), or the whole K when K is not a multiple of 2
 padded to whole tiles (padding N copies the weights; K3's N are multiples of 256).
 
 Verified on CPU only: TPU interpret mode for the values and lowering for the TPU platform
-(``tests/test_mx_matmul_tpu.py``), which runs Pallas' Mosaic TPU lowering but not Mosaic's own
+(``tests/kernels/mx_matmul/test_tpu.py``), which runs Pallas' Mosaic TPU lowering but not Mosaic's own
 layout passes and compiler (libtpu, on a TPU). Not yet run on a TPU.
 """
 

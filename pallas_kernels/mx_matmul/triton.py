@@ -404,7 +404,7 @@ def grouped_mx_matmul_pallas(
     out_dtype,
     interpret: bool,
 ) -> Array:
-    """items int32 [4, I] (see ``ops._work_items``), x_even, x_odd [Mp, K/2] (Mp % bm == 0),
+    """items int32 [4, I] (see ``layout.work_items``), x_even, x_odd [Mp, K/2] (Mp % bm == 0),
     optional x_scales uint8 [Mp, K/32], codes uint8 [G, N, K/32, 16] (N % bn == 0), scales uint8
     [G, N, K/32, 1] -> out_dtype [Mp, N]; rows no item covers are left unwritten. Grid (N/bn, I),
     n tiles fastest, so programs running together share one item's rows and one group's weights."""
