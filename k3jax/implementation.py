@@ -33,7 +33,7 @@ class KernelPolicy:
 
     matvec_max_rows: int = 1
     """Rows (tokens) up to which the maps that read one input (a layer's projections) run as one matvec
-    kernel, their input's mix, norm and activation inside. H200, 2026-12-01: at one row the kernel
+    kernel, their input's mix, norm and activation inside. H200, 2026-11-30: at one row the kernel
     matched XLA's einsums; at eight it took twice their time."""
 
     activation_in_matvec_max_width: int = 1024
@@ -69,7 +69,7 @@ class KernelPolicy:
     H200, 2026-12-02: `mini`'s 2048-token chunk MoE 20% faster; 8K prefill 60.9 against 66.6 ms."""
 
     tiled_moe_at_decode: bool = True
-    """MXFP4 routed experts at decode run as the tiled Mosaic GPU MoE (on a GPU). H200, 2026-12-02:
+    """MXFP4 routed experts at decode run as the tiled Mosaic GPU MoE (on a GPU). H200, 2026-12-03:
     K3's routed layer 137 against 251 us at 1 token, 3.9 against 7.0 ms at 64."""
 
     split_moe_max_pairs: int = 64
@@ -84,7 +84,7 @@ class KernelPolicy:
 
     split_moe_max_tokens_beside_tiled: int = 1
     """Where the tiled MoE would run, tokens up to which the split kernels run instead. H200,
-    2026-12-02: `mini` at 1 token 14.6 against 40.7 us tiled; at 8 tokens 65.8 against 58.0."""
+    2026-12-03: `mini` at 1 token 14.6 against 40.7 us tiled; at 8 tokens 65.8 against 58.0."""
 
     route_in_moe_kernel: bool = True
     """At one token the split MoE's first kernel picks the experts itself (no selection kernel before
@@ -97,15 +97,15 @@ class KernelPolicy:
 
     mx_mosaic_gpu_max_rows: int = 16
     """Dense MXFP4 matmul rows up to which the Mosaic GPU kernel runs (GPU, JAX >= 0.11). H200,
-    2026-12-01: 49 against 71-80 us for the Triton kernels at M = 1 and 16."""
+    2026-11-30: 49 against 71-80 us for the Triton kernels at M = 1 and 16."""
 
     mx_decode_then_dot_min_rows: int = 512
     """Dense MXFP4 matmul rows from which the weight is decoded once to bf16 for cuBLAS, rather than
-    decoded per tile in the fused kernel. H200, 2026-12-01: 0.94x the bf16 dot at M = 4096."""
+    decoded per tile in the fused kernel. H200, 2026-11-30: 0.94x the bf16 dot at M = 4096."""
 
     kda_mosaic_decode_min_state_bytes: int = 256 << 20
     """KDA state bytes (read plus written) from which the decode step takes the Mosaic GPU kernel
-    over the Triton one. H200, 2026-12-01: Mosaic faster at B=64, H=96 (805 MB: 3.59 against 3.52
+    over the Triton one. H200, 2026-11-30: Mosaic faster at B=64, H=96 (805 MB: 3.59 against 3.52
     TB/s), slower at `mini`'s batch 1 (39 plus ~45 us of operand copies against 32 us)."""
 
 
