@@ -1,97 +1,192 @@
 """The ``k3jax`` command.
 
-    k3jax generate [--model PATH | --preset tiny] [--prompt TEXT] [sampling flags] [--stream] [--steps-per-call N]
-                   [--deterministic]
-    k3jax memory --config kimi-k3 --context 1048576 [--batch N]
-    k3jax info [--config kimi-k3]
+    k3jax generate [--model PATH | --preset NAME] [--prompt TEXT] [--max-tokens N] [sampling flags] [--stream]
+                   [--progress | --no-progress] [--prefill-chunk N] [--steps-per-call N] [--deterministic]
+    k3jax memory [--config NAME] [--context N] [--batch N]
+    k3jax info [--config NAME]
     k3jax convert ...            (see ``k3jax convert --help``)
 
 With no model path, ``generate`` runs the embedded default: the ``tiny`` preset (every K3 feature,
 toy widths) with random weights and the byte-level tokenizer.
+
+Every flag is checked right after parsing, before any model is built. A user error (a bad flag, a checkpoint
+or tokenizer that does not load, a prompt the model cannot read) is one line on stderr, ``k3jax COMMAND: error:
+...``, with exit status 2 for a flag and 1 for anything found later; Ctrl-C ends with status 130. ``generate``
+writes the text to stdout and the rest to stderr: the model it runs, progress (the prefill chunk by chunk; by
+default only when stderr is a terminal) and a last line saying what it generated.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn, TextIO
 
 from convert.cli import add_parser as add_convert_parser
 from convert.safetensors_io import CheckpointError
+from k3jax.arguments import ids, integer, real
 from k3jax.config import ConfigError
+from k3jax.inference import DEFAULT_PREFILL_CHUNK, DEFAULT_STEPS_PER_CALL
 from k3jax.presets import PRESETS, preset
+from k3jax.tokenizer import TokenizerError
+
+DEFAULT_PRESET = "tiny"
 
 
-def _model(args):
+class CommandError(Exception):
+    """A user error found while a command runs, past the flag checks: reported on one line, exit status 1."""
+
+
+# What a command may raise for a user's mistake rather than a bug: each is reported on one line, no traceback.
+USER_ERRORS = (CommandError, CheckpointError, ConfigError, TokenizerError, OSError)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with each error on one line (what is wrong, where to read more) instead of the usage text."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class _Progress:
+    """Progress reports on stderr: on a terminal one line rewritten in place, elsewhere a line per report."""
+
+    def __init__(self, enabled: bool, stream: TextIO):
+        self.enabled, self.stream = enabled, stream
+        self.in_place = enabled and stream.isatty()
+        self._showing = False
+
+    def show(self, text: str, in_place_only: bool = False) -> None:
+        """Report ``text``; ``in_place_only`` reports (a count per token) are left out where they would each take
+        a line."""
+        if self.in_place:
+            self.stream.write(f"\r{text}\033[K")
+            self._showing = True
+        elif self.enabled and not in_place_only:
+            self.stream.write(f"{text}\n")
+        self.stream.flush()
+
+    def clear(self) -> None:
+        """Erase the line being rewritten, if any, before other output."""
+        if self._showing:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+            self._showing = False
+
+
+def _progress(args: argparse.Namespace) -> _Progress:
+    """``--progress`` or ``--no-progress``; without either, progress only where stderr is a terminal."""
+    return _Progress(sys.stderr.isatty() if args.progress is None else args.progress, sys.stderr)
+
+
+def _check_generate(args: argparse.Namespace) -> None:
+    """Every ``generate`` flag's value, before anything is built: TypeError or ValueError naming the flag."""
+    if not args.prompt:
+        raise ValueError("--prompt: empty; give some text for the model to continue")
+    if args.model is not None and not Path(args.model).is_dir():
+        raise ValueError(f"--model: {args.model}: no such folder")
+    integer("--max-tokens", args.max_tokens, minimum=1)
+    real("--temperature", args.temperature, minimum=0.0)
+    integer("--top-k", args.top_k, minimum=0)
+    real("--top-p", args.top_p, maximum=1.0, above=0.0)
+    integer("--seed", args.seed, minimum=-2**63, maximum=2**63 - 1)
+    integer("--prefill-chunk", args.prefill_chunk, minimum=1)
+    integer("--steps-per-call", args.steps_per_call, minimum=1)
+
+
+def _check_memory(args: argparse.Namespace) -> None:
+    """``memory``'s flags: a positive context length and batch."""
+    integer("--context", args.context, minimum=1)
+    integer("--batch", args.batch, minimum=1)
+
+
+def _model(args: argparse.Namespace):
+    """The checkpoint of ``--model``, or the ``--preset`` with random weights (seeded by ``--seed``)."""
     from flax import nnx
 
     from k3jax.checkpoint import load
     from k3jax.model import K3Model
 
     if args.model is None:
-        return K3Model(preset(args.preset), rngs=nnx.Rngs(args.seed)), None
+        return K3Model(preset(args.preset or DEFAULT_PRESET), rngs=nnx.Rngs(args.seed))
+    return load(args.model)
+
+
+def _prompt_ids(args: argparse.Namespace, tokenizer, vocab_size: int) -> list[int]:
+    """``--prompt`` as token ids the model can read (a tokenizer may hold more ids than the model)."""
     try:
-        return load(args.model), Path(args.model)
-    except (CheckpointError, ConfigError) as err:
-        raise SystemExit(f"error: --model {args.model}: {err}")
+        return ids("--prompt", tokenizer.encode(args.prompt), vocab_size, ("T",)).tolist()
+    except ValueError as err:
+        raise CommandError(f"{err} (is the tokenizer the model's?)") from None
 
 
-def _generate(args) -> int:
-    from k3jax.inference import DEFAULT_PREFILL_CHUNK, DEFAULT_STEPS_PER_CALL, Generator
+def _generate(args: argparse.Namespace) -> int:
+    """Continue ``--prompt``: the text on stdout (streamed with ``--stream``); the model, progress and a summary on
+    stderr."""
+    from k3jax.inference import Generator
     from k3jax.sampling import Sampling
     from k3jax.tokenizer import load_tokenizer
 
-    try:
-        sampling = Sampling(args.temperature, args.top_k, args.top_p)
-    except ValueError as err:
-        raise SystemExit(f"error: {err}")
     start = time.perf_counter()
-    model, path = _model(args)
-    tokenizer = load_tokenizer(path)
-    prompt = tokenizer.encode(args.prompt)
+    tokenizer = load_tokenizer(args.model)  # before the model: a tokenizer that cannot load fails in a moment
+    model = _model(args)
+    prompt = _prompt_ids(args, tokenizer, model.cfg.vocab_size)
     eos = model.cfg.extra.get("eos_token_id", tokenizer.eos_id)
-    chunk = DEFAULT_PREFILL_CHUNK if args.prefill_chunk is None else args.prefill_chunk
-    steps = DEFAULT_STEPS_PER_CALL if args.steps_per_call is None else args.steps_per_call
-    try:
-        generator = Generator(model, max_len=len(prompt) + args.max_tokens, prefill_chunk=chunk, steps_per_call=steps,
-                              deterministic=args.deterministic)
-    except ValueError as err:
-        raise SystemExit(f"error: {err}")
-    print(f"[{model.cfg.name}: {model.cfg.num_layers} layers, loaded in {time.perf_counter() - start:.1f} s]",
+    generator = Generator(model, max_len=len(prompt) + args.max_tokens, prefill_chunk=args.prefill_chunk,
+                          steps_per_call=args.steps_per_call, deterministic=args.deterministic)
+    source = "random weights" if args.model is None else args.model
+    print(f"[{model.cfg.name}: {model.cfg.num_layers} layers, {source}; ready in {time.perf_counter() - start:.1f} s]",
           file=sys.stderr)
-    print(args.prompt, end="", flush=True)
-    streamed: list[int] = []
+    progress = _progress(args)
+    steps = 0
 
-    def show(tokens, active):
-        if active[0]:
-            streamed.append(int(tokens[0]))
+    def on_chunk(done: int, total: int) -> None:
+        progress.show(f"prefill {done}/{total} tokens")
+
+    def on_token(tokens, active) -> None:
+        nonlocal steps
+        if steps == 0:
+            progress.clear()
+            if args.stream:
+                print(args.prompt, end="", flush=True)
+        steps += 1
+        if not args.stream:
+            progress.show(f"decode {steps}/{args.max_tokens} tokens", in_place_only=True)
+        elif active[0]:
             print(tokenizer.decode([int(tokens[0])]), end="", flush=True)
 
-    try:
-        out = generator.generate([prompt], args.max_tokens, sampling, seed=args.seed, eos_id=eos,
-                                 on_token=show if args.stream else None)
-    except ValueError as err:
-        raise SystemExit(f"error: {err}")
+    out = generator.generate([prompt], args.max_tokens, Sampling(args.temperature, args.top_k, args.top_p),
+                             seed=args.seed, eos_id=eos, on_token=on_token,
+                             on_chunk=on_chunk if progress.enabled else None)
+    progress.clear()
     if not args.stream:
-        print(tokenizer.decode(out.tokens[0]), end="")
-    print()
-    mean_logprob = sum(out.logprobs[0]) / len(out.logprobs[0])
-    decode = (f"decode {out.decode_tokens_per_second:.1f} tokens/s after the first call" if out.decode_tokens
-              else "decode not timed: one call, which compiled")
-    print(f"[{len(out.tokens[0])} tokens, mean log-probability {mean_logprob:.3f}; "
-          f"prefill {out.prefill_seconds:.2f} s (compile included); {decode}]", file=sys.stderr)
+        print(args.prompt + tokenizer.decode(out.tokens[0]), end="")
+    print(flush=True)
+    print(_summary(out, len(prompt), eos, args.max_tokens), file=sys.stderr)
     return 0
 
 
-def _memory(args) -> int:
+def _summary(out, prompt_tokens: int, eos: int | None, max_tokens: int) -> str:
+    """The last line of ``generate``: what was generated, why it stopped, how sure the model was, how fast."""
+    new = out.tokens[0]
+    stop = "stopped at EOS" if eos is not None and new[-1] == eos else f"--max-tokens {max_tokens} reached"
+    decode = (f"decode {out.decode_tokens_per_second:.1f} tokens/s after the first call" if out.decode_tokens
+              else "decode not timed: one call, which compiled")
+    return (f"[generated {len(new)} tokens after a {prompt_tokens}-token prompt ({stop}); mean log-probability "
+            f"{sum(out.logprobs[0]) / len(new):.3f}; prefill {out.prefill_seconds:.2f} s (compile included); {decode}]")
+
+
+def _memory(args: argparse.Namespace) -> int:
     from k3jax.memory import report
 
     print(report(preset(args.config), args.context, args.batch))
     return 0
 
 
-def _info(args) -> int:
+def _info(args: argparse.Namespace) -> int:
     from k3jax.param_count import count_params
 
     cfg = preset(args.config)
@@ -103,44 +198,80 @@ def _info(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="k3jax", description="Kimi K3 in JAX: generate, convert, inspect.")
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="k3jax", description="Kimi K3 in JAX: generate, convert, inspect.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate text (default: the embedded tiny random model)")
-    gen.add_argument("--model", default=None, help="checkpoint folder (k3jax or released safetensors)")
-    gen.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="random-weight preset without --model")
+    gen = sub.add_parser("generate", help=f"generate text (default: the embedded {DEFAULT_PRESET} random model)")
+    source = gen.add_mutually_exclusive_group()
+    source.add_argument("--model", default=None, help="checkpoint folder (k3jax or released safetensors)")
+    source.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                        help=f"a preset with random weights (default: {DEFAULT_PRESET})")
     gen.add_argument("--prompt", default="Kimi K3 in JAX: ")
-    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--max-tokens", type=int, default=32, help="new tokens at most (default: 32)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=0, help="0 = off")
     gen.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
     gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--prefill-chunk", type=int, default=None,
-                     help="prompt tokens per prefill call (default: k3jax.inference.DEFAULT_PREFILL_CHUNK, 2048)")
-    gen.add_argument("--steps-per-call", type=int, default=None,
+    gen.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
+                     help="prompt tokens per prefill call (default: k3jax.inference.DEFAULT_PREFILL_CHUNK, "
+                     "%(default)s)")
+    gen.add_argument("--steps-per-call", type=int, default=DEFAULT_STEPS_PER_CALL,
                      help="decode steps per compiled call; --stream prints tokens in bursts of this many (default: "
-                     "k3jax.inference.DEFAULT_STEPS_PER_CALL, 8; 1 prints each token as it is made, at the host's "
-                     "cost of a dispatch per token)")
+                     "k3jax.inference.DEFAULT_STEPS_PER_CALL, %(default)s; 1 prints each token as it is made, at the "
+                     "host's cost of a dispatch per token)")
     gen.add_argument("--stream", action="store_true", help="print tokens as they come")
+    gen.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                     help="report the prefill chunk by chunk (and, on a terminal without --stream, the tokens made) "
+                     "on stderr (default: only when stderr is a terminal)")
     gen.add_argument("--deterministic", action="store_true",
                      help="on a GPU, the same tokens in every process for a seed, not only within one (slower: "
                      "k3jax.inference.DETERMINISTIC_GPU_OPTIONS)")
-    gen.set_defaults(func=_generate)
+    gen.set_defaults(func=_generate, check=_check_generate)
 
     mem = sub.add_parser("memory", help="memory for weights and caches at a context length")
     mem.add_argument("--config", default="kimi-k3", choices=sorted(PRESETS))
-    mem.add_argument("--context", type=int, default=131072)
-    mem.add_argument("--batch", type=int, default=1)
-    mem.set_defaults(func=_memory)
+    mem.add_argument("--context", type=int, default=131072, help="tokens per sequence (default: %(default)s)")
+    mem.add_argument("--batch", type=int, default=1, help="sequences (default: %(default)s)")
+    mem.set_defaults(func=_memory, check=_check_memory)
 
     info = sub.add_parser("info", help="layers and parameter counts of a preset")
     info.add_argument("--config", default="kimi-k3", choices=sorted(PRESETS))
     info.set_defaults(func=_info)
 
     add_convert_parser(sub)
-    args = parser.parse_args(argv)
-    return args.func(args)
+    return parser
 
 
-__all__ = ["main"]
+def _fail(command: str, message: object, status: int) -> int:
+    print(f"k3jax {command}: error: {message}", file=sys.stderr)
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``k3jax`` command line on ``argv`` (default: ``sys.argv[1:]``) and return its exit status: 0 done,
+    1 a user error found while running, 2 a bad flag, 130 interrupted, 141 output pipe closed."""
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as stop:  # --help, or a flag argparse refused (already reported on one line)
+        return stop.code
+    try:
+        getattr(args, "check", lambda _: None)(args)
+    except (TypeError, ValueError) as err:
+        return _fail(args.command, f"{err} (see k3jax {args.command} --help)", 2)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print(f"\nk3jax {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # stdout closed early (`| head`): stop quietly, as a pipeline expects
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except USER_ERRORS as err:
+        return _fail(args.command, err, 1)
+
+
+__all__ = ["CommandError", "USER_ERRORS", "main"]
+
+if __name__ == "__main__":  # python -m k3jax.cli, as the installed k3jax command
+    sys.exit(main())
