@@ -1,9 +1,14 @@
-"""Tokenizers: the released tiktoken layout (a small BPE file written here) and the byte fallback."""
+"""Tokenizers: the released tiktoken layout (a small BPE file written here), the byte-level one for folders without
+it, and clear errors for a missing tiktoken package or malformed files."""
 
 import base64
 import json
+import re
+import sys
 
-from k3jax.tokenizer import ByteTokenizer, TiktokenTokenizer, load_tokenizer
+import pytest
+
+from k3jax.tokenizer import ByteTokenizer, TiktokenTokenizer, TokenizerError, load_tokenizer
 
 
 def write_bpe(folder, merges):
@@ -32,3 +37,28 @@ def test_byte_fallback_without_a_tokenizer_file(tmp_path):
     text = "héllo ✓"
     assert tok.encode(text) == list(text.encode("utf-8")) and tok.decode(tok.encode(text)) == text
     assert tok.decode([104, 105, tok.eos_id]) == "hi"
+
+
+def test_a_tiktoken_file_without_the_package_is_a_clear_error(tmp_path, monkeypatch):
+    """No silent byte-level fallback for a BPE checkpoint (its ids would be wrong): one message naming the file and
+    the fix, not chained to the ImportError."""
+    write_bpe(tmp_path, [])
+    monkeypatch.setitem(sys.modules, "tiktoken", None)  # `import tiktoken` fails as where it is not installed
+    with pytest.raises(TokenizerError, match=re.escape(f"{tmp_path / 'tiktoken.model'} needs the 'tiktoken' "
+                                                       "package: pip install tiktoken")) as caught:
+        load_tokenizer(tmp_path)
+    assert caught.value.__cause__ is None and caught.value.__suppress_context__
+
+
+@pytest.mark.parametrize("line, number", [("YQ==", 2), ("YQ== one", 2), ("not*base64 1", 2)])
+def test_a_malformed_tiktoken_line_is_named(tmp_path, line, number):
+    (tmp_path / "tiktoken.model").write_text(f"YQ== 0\n{line}\n")
+    with pytest.raises(TokenizerError, match=rf"tiktoken.model: line {number}: expected '<base64 token> <rank>'"):
+        load_tokenizer(tmp_path)
+
+
+def test_a_malformed_tokenizer_config_is_named(tmp_path):
+    write_bpe(tmp_path, [])
+    (tmp_path / "tokenizer_config.json").write_text('{"added_tokens_decoder": {"300": "[EOS]"}}')
+    with pytest.raises(TokenizerError, match=r"tokenizer_config.json: cannot read added_tokens_decoder"):
+        load_tokenizer(tmp_path)
