@@ -26,13 +26,13 @@ _CONVERSION = ("dequantize", "resume", "verify", "allow_unknown", "part_mb", "in
 _SYNTHETIC = ("seed", "shard_mb", "lazy")
 
 
-def _megabytes(text: str) -> int:
+def _megabytes(text: str) -> float:
     try:
-        value = int(text)
+        value = float(text)
     except ValueError:
-        value = -1
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number of MB >= 1, got {text!r}")
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of MB, got {text!r}")
     return value
 
 
@@ -105,19 +105,19 @@ def _run(args: argparse.Namespace) -> str:
     mode = _mode(args)
     if mode == "check":
         v = verify_checkpoint(args.src, quiet=args.quiet)
-        return (f"verified {args.src}: {v.arrays} arrays in {v.parts} parts, {size(v.nbytes)}, every CRC-32 matches "
+        return (f"verified {args.src}: {v.arrays} arrays in {v.parts} part(s), {size(v.nbytes)}, every CRC-32 matches "
                 f"({v.seconds:.1f} s)")
     if mode == "export":
         out = export_checkpoint(args.src, args.out, quiet=args.quiet)
         return f"wrote {out}: {_files(out)}"
     if mode == "synthetic":
-        shard = args.shard_mb << 20 if args.shard_mb else None
+        shard = int(args.shard_mb * 2**20) if args.shard_mb else None
         write_synthetic(args.out, args.src, seed=args.seed or 0, shard_bytes=shard, lazy=args.lazy, quiet=args.quiet,
                         dtype=args.dtype and args.dtype.upper())
         return f"wrote {args.out}: synthetic {args.src} checkpoint, {_files(Path(args.out))}"
     out = convert(args.src, args.out, dtype=args.dtype, dequantize=args.dequantize, resume=args.resume,
                   verify=args.verify, quiet=args.quiet, allow_unknown=args.allow_unknown,
-                  part_bytes=(args.part_mb or 128) << 20, inflight_bytes=(args.inflight_mb or 768) << 20)
+                  part_bytes=int((args.part_mb or 128) * 2**20), inflight_bytes=int((args.inflight_mb or 768) * 2**20))
     man = read_manifest(out)
     stored = sum(sum(p["files"].values()) for p in man["parts"].values())
     dtypes = sorted({p["dtype"] for p in man["params"].values()})

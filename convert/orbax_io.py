@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import re
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -76,10 +77,27 @@ def _os_error(error: Exception, directory: Path) -> Exception:
     return OSError(code, os.strerror(code), str(directory))
 
 
+def _drop_closed_loop_reports() -> None:
+    """After a failed save, tensorstore's threads finish the other arrays' writes and report each
+    "Event loop is closed" (orbax closed the loop they call back into) as an unraisable exception,
+    a traceback each on stderr. This process-wide hook drops those reports and passes on others."""
+    previous = sys.unraisablehook
+    if getattr(previous, "drops_closed_loop", False):
+        return
+
+    def hook(report: Any) -> None:
+        if not (isinstance(report.exc_value, RuntimeError) and str(report.exc_value) == "Event loop is closed"):
+            previous(report)
+
+    hook.drops_closed_loop = True
+    sys.unraisablehook = hook
+
+
 def write_part(directory: Path, leaves: Mapping[str, np.ndarray]) -> None:
     """Save ``leaves`` (dotted key -> array) as one orbax PyTree checkpoint; orbax writes to a
     temporary folder and renames it, so ``directory`` appears only complete. A failed file write
     raises ``OSError`` (errno, strerror, ``directory``)."""
+    _drop_closed_loop_reports()
     quiet = _QuietOrbax()
     logging.getLogger("absl").addFilter(quiet)
     checkpointer = None

@@ -76,7 +76,7 @@ def prepare(partial: Path, fingerprint: dict[str, Any], resume: bool) -> None:
         fresh.rename(partial)
     except OSError as e:
         shutil.rmtree(fresh, ignore_errors=True)
-        raise ConversionError(f"{e.filename or fresh}: cannot create it ({e.strerror or e}); nothing was written") from e
+        raise ConversionError(f"{partial}: cannot create it ({e.strerror or e}); nothing was written") from e
 
 
 def _write_one(partial: Path, index: int, count: int, leaves: dict[str, np.ndarray]) -> None:

@@ -70,3 +70,84 @@ def test_presets_have_the_features_they_promise():
     assert mini.kda.head_dim == 128 and mini.mla.qk_head_dim == 192
     with pytest.raises(KeyError, match="unknown preset"):
         preset("huge")
+
+
+def _linear(**changes):
+    c = preset_hf_config("kimi-linear-48b")
+    c.update(changes)
+    return c
+
+
+def test_first_k_dense_replace_defaults_to_one_as_in_hf_transformers():
+    c = _linear()
+    del c["first_k_dense_replace"]
+    assert from_hf_config(c).first_k_dense_replace == 1
+
+
+def test_mlp_layer_types_decide_the_dense_layers():
+    c = _linear(mlp_layer_types=["dense"] * 2 + ["sparse"] * 25)
+    del c["first_k_dense_replace"]
+    assert from_hf_config(c).first_k_dense_replace == 2
+    for kinds, match in (
+        (["dense"] * 2 + ["sparse"] * 25, r"first_k_dense_replace is 1 but mlp_layer_types starts with 2 dense"),
+        (["dense", "sparse", "dense"] + ["sparse"] * 24, r"mlp_layer_types: a dense layer after a sparse one"),
+        (["dense"] + ["sparse"] * 25, r"mlp_layer_types: expected 27 entries"),
+        (["dense"] + ["moe"] * 26, r"each 'dense' or 'sparse'"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            from_hf_config(_linear(mlp_layer_types=kinds))
+
+
+def test_hf_saved_spellings_read_as_the_released_ones():
+    c = _linear()
+    for released, saved in (("num_experts", "n_routed_experts"), ("num_experts_per_token", "num_experts_per_tok"),
+                            ("num_shared_experts", "n_shared_experts"), ("moe_renormalize", "norm_topk_prob"),
+                            ("num_expert_group", "n_group"), ("intermediate_size", "dense_ffn_hidden")):
+        c[saved] = c.pop(released)
+    lac = c.pop("linear_attn_config")
+    c.update(linear_num_heads=lac["num_heads"], linear_head_dim=lac["head_dim"],
+             linear_conv_kernel_dim=lac["short_conv_kernel_size"],
+             layer_types=["full_attention" if i + 1 in lac["full_attn_layers"] else "linear_attention" for i in range(27)],
+             mlp_layer_types=["dense"] + ["sparse"] * 26)
+    assert from_hf_config(c) == from_hf_config(KIMI_LINEAR_48B)
+    with pytest.raises(ConfigError, match=r"num_experts is 256 but n_routed_experts is 128; expected one value"):
+        from_hf_config(_linear(n_routed_experts=128))
+
+
+def test_hf_defaults_where_keys_are_absent():
+    c = _linear(attn_res_block_size=0)
+    for key in ("num_shared_experts", "routed_scaling_factor", "moe_renormalize", "intermediate_size"):
+        del c[key]
+    cfg = from_hf_config(c)
+    assert (cfg.moe.num_shared_experts, cfg.moe.routed_scaling_factor, cfg.moe.renormalize) == (1, 2.446, True)
+    assert cfg.dense_intermediate_size == 9216 and cfg.attn_res_block_size is None
+
+
+@pytest.mark.parametrize("config, match", [
+    ([1, 2], r"x/config.json: the top level: expected a JSON object, got a list of 2"),
+    (_linear(num_hidden_layers="27"), r"x/config.json: num_hidden_layers: expected an integer >= 1, got '27'"),
+    (_linear(num_hidden_layers=True), r"num_hidden_layers: expected an integer >= 1, got True"),
+    (_linear(linear_attn_config="kda"), r"x/config.json: linear_attn_config: expected a JSON object, got 'kda'"),
+    (_linear(hidden_act=3), r"hidden_act: expected one of \['situ', 'silu'\], got 3"),
+    (_linear(rms_norm_eps=-1.0), r"rms_norm_eps: expected a positive number"),
+    (_linear(routed_scaling_factor="2.4"), r"routed_scaling_factor: expected a number, got '2.4'"),
+    ({"text_config": [1]}, r"x/config.json: text_config: expected a JSON object, got a list of 1"),
+])
+def test_wrong_types_name_the_file_key_and_expectation(config, match):
+    with pytest.raises(ConfigError, match=match):
+        from_hf_config(config, source="x/config.json")
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(tie_word_embeddings=True), r"tie_word_embeddings: expected false"),
+    (dict(attention_bias=True), r"attention_bias: expected false"),
+    (dict(num_key_value_heads=8), r"num_key_value_heads: expected 32"),
+    (dict(mla_use_nope=False), r"mla_use_nope: expected true"),
+    (dict(moe_layer_freq=2), r"moe_layer_freq: expected 1"),
+    (dict(num_expert_group=None, n_group=4), r"num_expert_group: expected 1"),
+    (dict(hidden_act="situ"), r"activation_situ_beta: expected a number with hidden_act 'situ'"),
+    (dict(quantization_config={"format": "fp8"}), r"quantization_config.format: expected 'mxfp4-pack-quantized'"),
+])
+def test_settings_that_change_the_model_are_refused(change, match):
+    with pytest.raises(ConfigError, match=match):
+        from_hf_config(_linear(**change))
