@@ -204,14 +204,14 @@ def split_parts(jobs: tuple[Job, ...], part_bytes: int, dequantize: Dequantize =
                 dtype: CastTo = None) -> list[list[Job]]:
     """Consecutive jobs grouped into parts of at most ``part_bytes`` (a larger single job stands alone)."""
     parts: list[list[Job]] = [[]]
-    size = 0
+    used = 0
     for job in jobs:
         n = out_bytes(job, dequantize, dtype)
-        if parts[-1] and size + n > part_bytes:
+        if parts[-1] and used + n > part_bytes:
             parts.append([])
-            size = 0
+            used = 0
         parts[-1].append(job)
-        size += n
+        used += n
     return [p for p in parts if p]
 
 

@@ -59,7 +59,8 @@ def default_layout(table: tuple[Param, ...], prefix: str, mx: bool, shard_bytes:
             for f, g in zip(names, groups)]
 
 
-def _value(params: Params, spec: Released, dtype: str, kinds: Mapping[str, str], tails: Mapping[str, list[str]]) -> np.ndarray:
+def _value(params: Params, spec: Released, dtype: str, kinds: Mapping[str, str],
+           tails: Mapping[str, list[str]]) -> np.ndarray:
     """The released tensor ``spec`` in safetensors ``dtype``, from the canonical ``params``."""
     value = params[spec.param]
     if spec.expert is not None:

@@ -21,7 +21,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from convert.manifest import PARTS, read_manifest
+from convert.json_schema import inside
+from convert.manifest import MANIFEST, PARTS, read_manifest
 from convert.orbax_io import read_part
 from convert.progress import Progress
 from convert.safetensors_io import CheckpointError, dtype_name
@@ -117,7 +118,7 @@ class CheckpointParams(Mapping):
             self.by_part[info["part"]].append(path)
         self._cache: OrderedDict[str, dict[str, np.ndarray]] = OrderedDict()
         for name in self.by_part:
-            if not (self.folder / PARTS / name).is_dir():
+            if not inside(self.folder / PARTS, name, str(self.folder / MANIFEST), CheckpointError).is_dir():
                 raise CheckpointError(f"{self.folder / PARTS / name}: missing; the manifest lists this part "
                                       f"(the checkpoint is incomplete: convert it again)")
 

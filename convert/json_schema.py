@@ -79,7 +79,7 @@ def inside(folder: Path, name: str, source: str, error: type[Exception]) -> Path
     the Hugging Face hub cache, where ``<repo>/snapshots/<rev>/<file>`` links to ``<repo>/blobs/``."""
     path = folder / name
     real, home = path.resolve(), folder.resolve()
-    hub_blobs = home.parent.parent / "blobs" if home.parent.name == "snapshots" else None
+    hub_blobs = (home.parent.parent / "blobs").resolve() if home.parent.name == "snapshots" else None
     if real.parent != home and real.parent != hub_blobs:
         raise error(f"{source}: {name!r} is a link to {real}, outside {folder}")
     return path

@@ -50,23 +50,37 @@ def is_done(partial: Path, index: int) -> bool:
 def prepare(partial: Path, fingerprint: dict[str, Any], resume: bool) -> None:
     """Create ``partial`` (through a temporary name, so it appears whole or not at all), or with
     ``resume`` check that it was made by the same plan and drop its incomplete parts."""
-    if partial.exists():
-        if not resume:
-            raise ConversionError(f"{partial}: left by an interrupted conversion; pass --resume to continue it, "
-                                  f"or delete it to start over")
-        try:
-            old = read_json(partial / PLAN_FILE, ConversionError)
-        except ConversionError as e:
-            raise ConversionError(f"{e}; {partial} cannot be resumed: delete it to start over") from None
-        if old != fingerprint:
-            raise ConversionError(f"{partial}: made from a different source, options or code version; "
-                                  f"delete it to start over")
-        for folder, suffix in ((PARTS, ""), (SUMS, ".json")):
-            for entry in (partial / folder).iterdir():
-                name = entry.name.removesuffix(suffix)
-                if not (part_is_complete(partial / PARTS / name) and _sums(partial, name).is_file()):
-                    shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
-        return
+    try:
+        if partial.exists():
+            _resume(partial, fingerprint, resume)
+        else:
+            _create(partial, fingerprint)
+    except OSError as e:
+        raise ConversionError(f"{partial}: cannot prepare it ({e.strerror or e}); nothing was written") from e
+
+
+def _resume(partial: Path, fingerprint: dict[str, Any], resume: bool) -> None:
+    if not resume:
+        raise ConversionError(f"{partial}: left by an interrupted conversion; pass --resume to continue it, "
+                              f"or delete it to start over")
+    try:
+        old = read_json(partial / PLAN_FILE, ConversionError)
+    except ConversionError as e:
+        raise ConversionError(f"{e}; {partial} cannot be resumed: delete it to start over") from None
+    if old != fingerprint:
+        raise ConversionError(f"{partial}: made from a different source, options or code version; "
+                              f"delete it to start over")
+    for folder, suffix in ((PARTS, ""), (SUMS, ".json")):
+        for entry in (partial / folder).iterdir():
+            name = entry.name.removesuffix(suffix)
+            if not (part_is_complete(partial / PARTS / name) and _sums(partial, name).is_file()):
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry)
+                else:
+                    entry.unlink()
+
+
+def _create(partial: Path, fingerprint: dict[str, Any]) -> None:
     fresh = partial.with_name(partial.name + ".new")
     try:
         shutil.rmtree(fresh, ignore_errors=True)

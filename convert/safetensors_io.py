@@ -3,7 +3,9 @@
 File format: 8-byte little-endian header length N, N bytes of JSON
 (``{"__metadata__": {...}, name: {"dtype": "BF16", "shape": [...], "data_offsets": [a, b]}}``),
 then the data region; ``data_offsets`` are relative to the start of the data region.
-Every check raises ``CheckpointError`` naming the file (and tensor) and what was expected.
+Headers, the index and config.json are read with typed getters (``convert.json_schema``); a shard
+named by the index must be a file name inside the checkpoint folder. Every check raises
+``CheckpointError`` naming the file (and tensor or key) and what was expected.
 """
 
 from __future__ import annotations
@@ -104,7 +106,8 @@ def read_header(path: str | os.PathLike) -> tuple[list[TensorInfo], dict[str, st
             raise CheckpointError(f"{path}: corrupt header: {t.start - end} unused bytes before tensor {t.name!r}")
         end, last = t.end, t.name
     if end > size:
-        raise CheckpointError(f"{path}: truncated: the header says the data ends at byte {end} but the file has {size} bytes")
+        raise CheckpointError(f"{path}: truncated: the header says the data ends at byte {end} but the file has "
+                              f"{size} bytes")
     if end < size:
         raise CheckpointError(
             f"{path}: corrupt: {size - end} unexpected trailing bytes after the last tensor (ends at {end})"
@@ -122,7 +125,8 @@ def _entry(entry: Fields, name: str, base: int) -> TensorInfo:
     want = math.prod(shape) * DTYPES[dtype].itemsize
     if b - a != want:
         raise CheckpointError(
-            f"{entry.source}: tensor {name!r}: data_offsets {offsets} span {b - a} bytes but {dtype} {tuple(shape)} needs {want}"
+            f"{entry.source}: tensor {name!r}: data_offsets {offsets} span {b - a} bytes but {dtype} {tuple(shape)} "
+            f"needs {want}"
         )
     return TensorInfo(name, dtype, tuple(shape), Path(entry.source), base + a, base + b)
 
@@ -134,7 +138,8 @@ def read_tensor(info: TensorInfo) -> np.ndarray:
     try:
         return np.memmap(info.file, dtype=info.np_dtype, mode="r", offset=info.start, shape=info.shape)
     except (OSError, ValueError) as e:  # ValueError: the file shrank since its header was read
-        raise CheckpointError(f"{info.file}: cannot read tensor {info.name!r} ({getattr(e, 'strerror', None) or e})") from None
+        cause = getattr(e, "strerror", None) or e
+        raise CheckpointError(f"{info.file}: cannot read tensor {info.name!r} ({cause})") from None
 
 
 def header_bytes(entries: Iterable[tuple[str, str, tuple[int, ...]]], metadata: Mapping[str, str] | None) -> bytes:

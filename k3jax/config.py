@@ -321,7 +321,8 @@ def from_hf_config(config: Any, name: str = "checkpoint", *, source: str = "conf
         mla=mla,
         moe=moe,
         first_k_dense_replace=_first_k_dense(c, num_layers),
-        dense_intermediate_size=c.int("dense_ffn_hidden", None, minimum=1) or c.int("intermediate_size", 9216, minimum=1),
+        dense_intermediate_size=c.int("dense_ffn_hidden", None, minimum=1)
+        or c.int("intermediate_size", 9216, minimum=1),
         hidden_act=act,
         situ_beta=_situ_beta(c, act, "activation_situ_beta", 4.0),
         situ_linear_beta=_situ_beta(c, act, "activation_situ_linear_beta", 25.0),

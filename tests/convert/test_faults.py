@@ -20,7 +20,7 @@ from convert.cli import build_parser, main
 from convert.manifest import PARTS
 from convert.partial import PLAN_FILE
 from convert.safetensors_io import open_checkpoint, read_tensor
-from convert.testing import copy_folder, edit_tensors, k3_config, linear_config, same_bytes
+from convert.testing import edit_tensors, k3_config, linear_config, same_bytes
 
 REPO = Path(__file__).resolve().parents[2]
 EMBED = "model.embed_tokens.weight"
