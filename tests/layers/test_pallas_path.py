@@ -1,12 +1,19 @@
-"""The implementation switch: KDA and MoE layers give the reference's outputs on the Pallas path
-(kernels in interpret mode on CPU), for prefill and decode shapes."""
+"""The implementation switch: KDA, MoE and MLA layers give the reference's outputs on the Pallas path
+(kernels in interpret mode on CPU), for prefill and decode shapes; the ``KernelPolicy`` choices the layers
+meet there give the same outputs either way."""
+
+import contextlib
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
-from k3jax.implementation import use_implementation
+import pallas_kernels._platform
+import pallas_kernels.moe.ops
+from k3jax.config import KDAConfig
+from k3jax.implementation import KernelPolicy, use_implementation
 from k3jax.layers.basic import RMSNorm
 from k3jax.layers.kda import KDA
 from k3jax.layers.mla import MLA
@@ -16,13 +23,13 @@ from k3jax.presets import preset
 from reference_numpy import rel_err
 
 
-def both(fn, *args):
-    """fn's outputs on the reference path, then on the Pallas path. The switch is read at trace time and
-    jax.jit caches traces by function, so each setting traces a fresh function (else the second jit
-    would reuse the first trace and compare the reference with itself)."""
+def both(fn, *args, policy: KernelPolicy | None = None):
+    """fn's outputs on the reference path, then on the Pallas path (under ``policy``). The switch is read at
+    trace time and jax.jit caches traces by function, so each setting traces a fresh function (else the
+    second jit would reuse the first trace and compare the reference with itself)."""
     outs = {}
     for name in ("reference", "pallas"):
-        with use_implementation(name):
+        with use_implementation(name, policy=policy):
             outs[name] = jax.jit(lambda *a: fn(*a))(*args)
     return outs["reference"], outs["pallas"]
 
@@ -47,11 +54,9 @@ def test_kda_layer_prefill_and_decode(batch):
         assert rel_err(b, a) < 5e-3
 
 
-def test_kda_decode_conv_in_maps_is_the_conv_kernel(monkeypatch):
-    """``CONV_IN_MAPS``: at one row the short convs inside the input maps' kernel give the output and both
-    states of the separate conv kernel bitwise, with one kernel fewer in the step."""
-    import k3jax.layers.kda as kda_layer
-
+def test_kda_decode_conv_in_maps_is_the_conv_kernel():
+    """``KernelPolicy.conv_in_matvec``: at one row the short convs inside the input maps' kernel give the
+    output and both states of the separate conv kernel bitwise, with one kernel fewer in the step."""
     cfg = preset("tiny")
     layer = KDA(cfg.hidden_size, cfg.kda, cfg.rms_norm_eps, rngs=nnx.Rngs(7))
     norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -67,14 +72,35 @@ def test_kda_decode_conv_in_maps_is_the_conv_kernel(monkeypatch):
 
     outs, kernels = {}, {}
     for on in (False, True):
-        monkeypatch.setattr(kda_layer, "CONV_IN_MAPS", on)
-        with use_implementation("pallas"):
-            f = lambda *a: step(*a)  # a fresh function: the switch is read when traced
+        with use_implementation("pallas", policy=KernelPolicy(conv_in_matvec=on)):
+            f = lambda *a: step(*a)  # a fresh function: the policy is read when traced
             kernels[on] = str(jax.make_jaxpr(f)(params, x, state)).count("pallas_call[")
             outs[on] = jax.jit(f)(params, x, state)
     assert kernels[True] == kernels[False] - 1
     for a, b in zip(jax.tree.leaves(outs[False]), jax.tree.leaves(outs[True])):
         assert a.shape == b.shape and bool(jnp.all(a == b))
+
+
+def test_kda_prefill_with_the_chunk_kernel_equals_xla_convs():
+    """The KDA layer on the Pallas path over two chunks of a ragged batch (the state carried from the first) with
+    ``KernelPolicy.conv_kernel_at_prefill`` on and off: the same outputs and states."""
+    cfg = KDAConfig(num_heads=2, head_dim=16, conv_size=4, gate_lower_bound=-5.0)
+    layer = KDA(32, cfg, 1e-6, rngs=nnx.Rngs(3))
+    x = jax.random.normal(jax.random.key(1), (2, 24, 32))
+    valid = jnp.arange(24)[None] < jnp.array([[24], [13]])
+    runs, kernels = {}, {}
+    for on in (True, False):
+        with use_implementation("pallas", policy=KernelPolicy(conv_kernel_at_prefill=on)):
+            # one chunk's function, traced under the policy, for both chunks
+            chunk = jax.jit(lambda x, state, valid: layer(x, state, valid=valid))
+            state = layer.initial_state(2)
+            kernels[on] = str(chunk.trace(x[:, :12], state, valid[:, :12]).jaxpr).count("name=conv_silu_chunk")
+            first, state = chunk(x[:, :12], state, valid[:, :12])
+            second, state = chunk(x[:, 12:], state, valid[:, 12:])
+        runs[on] = (first, second, state.conv, state.recurrent)
+    assert (kernels[True], kernels[False]) == (1, 0)
+    for got, want in zip(runs[True], runs[False]):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
 def test_kda_layer_ragged_rows():
@@ -120,22 +146,19 @@ def test_moe_layer_with_packed_experts(tokens):
 
 
 def test_moe_layer_tiled_for_prefill(monkeypatch):
-    """With the layer's prefill threshold lowered to 1 pair per expert (default 256) a bf16 layer takes its
-    routed experts through ``tiled_moe_mx`` (the grouped Mosaic GPU kernel, interpret mode) and matches the
-    reference path within bf16 rounding."""
-    import k3jax.layers.moe as moe_layer
-    from pallas_kernels import mx_matmul
-
+    """With the prefill threshold lowered to 1 pair per expert (``KernelPolicy.prefill_pairs_per_expert``,
+    default 256) a bf16 layer takes its routed experts through ``tiled_moe_mx`` (the grouped Mosaic GPU
+    kernel, interpret mode) and matches the reference path within bf16 rounding."""
     calls = []
-    tiled = mx_matmul.tiled_moe_mx
-    monkeypatch.setattr(moe_layer, "PREFILL_PAIRS_PER_EXPERT", 1)
-    monkeypatch.setattr(mx_matmul, "tiled_moe_mx", lambda *a, **kw: calls.append(1) or tiled(*a, **kw))
+    tiled = pallas_kernels.moe.ops.tiled_moe_mx
+    monkeypatch.setattr(pallas_kernels.moe.ops, "tiled_moe_mx", lambda *a, **kw: calls.append(1) or tiled(*a, **kw))
     cfg = preset("tiny")
     layer = MoE(cfg.hidden_size, cfg.moe, activation("situ"), cfg.rms_norm_eps, rngs=nnx.Rngs(3), packed_experts=True,
                 param_dtype=jnp.bfloat16)
     graph, params = nnx.split(layer)
     x = jax.random.normal(jax.random.key(4), (2, 24, cfg.hidden_size)).astype(jnp.bfloat16)
-    ref, pal = both(lambda params, x: nnx.merge(graph, params)(x), params, x)
+    ref, pal = both(lambda params, x: nnx.merge(graph, params)(x), params, x,
+                    policy=KernelPolicy(prefill_pairs_per_expert=1))
     assert calls and pal.dtype == jnp.bfloat16
     assert rel_err(pal, ref) < 1e-2
 
@@ -144,22 +167,20 @@ def test_moe_layer_tiled_for_prefill(monkeypatch):
                          [(1, False, True), (3, False, True), (1, True, True), (1, True, False)])
 def test_moe_layer_tiled_at_decode(monkeypatch, tokens, mesh, mosaic):
     """A bf16 decode step's routed experts, the kernels in interpret mode. Where the Mosaic GPU kernels run
-    (``mosaic``: made to hold here): through ``tiled_moe_mx`` in tiles of ``SPARSE_BM`` pairs from 2 tokens
-    (``FUSED_MOE_MAX_TOKENS_BESIDE_TILED``), through the fused kernels at one, and under an expert mesh (one
-    device here; 3 in test_sharding.py) through the tiled MoE at one token too. Where they do not, under the
-    mesh: through the sorted dispatch on the Triton grouped kernel (a shard_map whose output-variance check
-    refused every pallas_call failed to trace here). All match the reference path within bf16 rounding."""
-    import contextlib
-
-    import k3jax.layers.moe as moe_layer
+    (``mosaic``: ``pallas_kernels._platform.mosaic_gpu_runs`` made to hold here): through ``tiled_moe_mx`` in
+    tiles of ``SPARSE_BM`` pairs from 2 tokens (``KernelPolicy.split_moe_max_tokens_beside_tiled``), through the
+    split kernels at one, and under an expert mesh (one device here; 3 in test_sharding.py) through the tiled
+    MoE at one token too. Where they do not, under the mesh: through the sorted dispatch on the Triton grouped
+    kernel (a shard_map whose output-variance check refused every pallas_call failed to trace here). All match
+    the reference path within bf16 rounding."""
     from k3jax.sharding import expert_parallel, expert_sharding
-    from pallas_kernels import mx_matmul
     from pallas_kernels.mx_matmul.mosaic_gpu_grouped import SPARSE_BM
 
     calls = []
-    tiled = mx_matmul.tiled_moe_mx
-    monkeypatch.setattr(moe_layer, "_mosaic_gpu_runs", lambda: mosaic)
-    monkeypatch.setattr(mx_matmul, "tiled_moe_mx", lambda *a, **kw: calls.append(kw["bm"]) or tiled(*a, **kw))
+    tiled = pallas_kernels.moe.ops.tiled_moe_mx
+    monkeypatch.setattr(pallas_kernels._platform, "mosaic_gpu_runs", lambda: mosaic)
+    monkeypatch.setattr(pallas_kernels.moe.ops, "tiled_moe_mx",
+                        lambda *a, **kw: calls.append(kw["bm"]) or tiled(*a, **kw))
     cfg = preset("tiny")
     layer = MoE(cfg.hidden_size, cfg.moe, activation("situ"), cfg.rms_norm_eps, rngs=nnx.Rngs(3), packed_experts=True,
                 param_dtype=jnp.bfloat16)

@@ -22,11 +22,7 @@ from k3jax.layers.kda import KDA, KDAState
 from k3jax.layers.mla import MLA
 from k3jax.layers.mlp import DenseMLP, activation
 from k3jax.layers.moe import MoE
-
-try:
-    from tests import reference_numpy as R
-except ImportError:  # pytest's rootdir insertion puts tests/ itself on sys.path
-    import reference_numpy as R
+import reference_numpy as R
 
 TOL = 1e-5  # float32 against float64 at these sizes; measured errors are 7e-8 .. 9e-7
 D = 30  # model width for the layer tests
