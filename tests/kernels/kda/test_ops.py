@@ -1,4 +1,5 @@
-"""The KDA Pallas kernels (interpret mode on CPU) against the float32 reference.
+"""The KDA op's kernel entries (``pallas_kernels.kda.ops``: interpret mode on CPU) against the float32 reference,
+and its choice of lowering.
 
 Inputs are bf16-rounded once and both sides see the same rounded values; errors are ||a - b|| / ||b||.
 """
@@ -13,11 +14,12 @@ import numpy as np
 import pytest
 
 from k3jax.functional import kda as ref
+from k3jax.implementation import KernelPolicy, use_implementation
 from kda_inputs import plain_inputs as inputs
 from kda_inputs import raw_inputs
 from pallas_kernels.kda import KDABlocks, chunk_kda, chunk_kda_fused, step_kda, step_kda_fused
 from pallas_kernels.kda import reference
-from pallas_kernels.kda.triton import MOSAIC_DECODE_MIN_STATE_BYTES, resolve_decode_lowering, resolve_lowering
+from pallas_kernels.kda.ops import resolve_decode_lowering, resolve_lowering
 from pallas_kernels.kda.triton import _unit_lower_inverse
 from reference_numpy import rel_err
 
@@ -139,8 +141,11 @@ def test_auto_lowering_by_backend_and_version(monkeypatch, backend, version, dim
     monkeypatch.setattr(jax, "default_backend", lambda: backend)
     monkeypatch.setattr(jax, "__version__", version)
     assert resolve_lowering("auto", *dims) == expected
-    large, small = MOSAIC_DECODE_MIN_STATE_BYTES, MOSAIC_DECODE_MIN_STATE_BYTES - 1
+    threshold = KernelPolicy().kda_mosaic_decode_min_state_bytes
+    large, small = threshold, threshold - 1
     assert resolve_decode_lowering("auto", *dims, large) == expected
     assert resolve_decode_lowering("auto", *dims, small) == ("triton" if expected == "mosaic_gpu" else expected)
+    with use_implementation("pallas", policy=KernelPolicy(kda_mosaic_decode_min_state_bytes=small)):
+        assert resolve_decode_lowering("auto", *dims, small) == expected  # the threshold is the policy's
     assert resolve_decode_lowering("mosaic_gpu", *dims, small) == "mosaic_gpu"
     assert resolve_lowering("mosaic_tpu", *dims) == "mosaic_tpu"

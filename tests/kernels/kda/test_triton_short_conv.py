@@ -1,6 +1,6 @@
-"""The short convs + SiLU kernels (pallas_kernels/short_conv.py, interpret mode on CPU: a decode step's, a prefill
-chunk's) against ``causal_conv`` over the inputs side by side, then ``jax.nn.silu``; ``causal_conv`` itself against a
-loop; the KDA layer's prefill with the chunk kernel against its XLA convs."""
+"""The short convs + SiLU kernels (pallas_kernels/kda/triton_short_conv.py, interpret mode on CPU: a decode step's, a
+prefill chunk's) against ``causal_conv`` over the inputs side by side, then ``jax.nn.silu`` (``causal_conv`` itself:
+tests/functional/test_conv.py; the KDA layer's prefill with the chunk kernel: tests/layers/test_pallas_path.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -71,52 +71,3 @@ def test_bad_inputs_are_refused():
         conv_silu_step(xs, taps, state[:, :2])
     with pytest.raises(ValueError, match=r"input 0 must be \[B, T, F\]"):
         conv_silu_chunk(xs, taps, state)
-
-
-@pytest.mark.parametrize("tokens", [1, 2, 3, 7])
-@pytest.mark.parametrize("ragged", [False, True])
-def test_causal_conv_matches_a_loop(tokens, ragged):
-    """``causal_conv`` (each tap x delayed, the state filling in; no concatenation) against a loop over the
-    state and x side by side, from prompts shorter than the state to longer, with ragged lengths (right
-    padding that the new state skips)."""
-    rng = np.random.default_rng(tokens)
-    batch, width, taps = 3, 5, 4
-    x = rng.standard_normal((batch, tokens, width)).astype(np.float32)
-    weight = rng.standard_normal((width, taps)).astype(np.float32)
-    state = rng.standard_normal((batch, taps - 1, width)).astype(np.float32)
-    lengths = np.array([tokens, max(tokens - 1, 0), 1]) if ragged else np.full(batch, tokens)
-    y, new_state = causal_conv(jnp.asarray(x), jnp.asarray(weight), jnp.asarray(state),
-                               jnp.asarray(lengths) if ragged else None)
-    seq = np.concatenate([state, x], axis=1)
-    want = np.stack([sum(weight[:, j] * seq[:, t + j] for j in range(taps)) for t in range(tokens)], axis=1)
-    np.testing.assert_allclose(np.asarray(y), want, rtol=1e-6, atol=1e-6)
-    want_state = np.stack([seq[b, n : n + taps - 1] for b, n in enumerate(lengths)])
-    np.testing.assert_array_equal(np.asarray(new_state), want_state)
-
-
-def test_kda_prefill_with_the_chunk_kernel_equals_xla_convs(monkeypatch):
-    """The KDA layer on the Pallas path over two chunks of a ragged batch (the state carried from the first) with
-    ``CONV_KERNEL_AT_PREFILL`` on and off: the same outputs and states."""
-    from flax import nnx
-
-    from k3jax.config import KDAConfig
-    from k3jax.implementation import use_implementation
-    from k3jax.layers import kda as kda_module
-
-    cfg = KDAConfig(num_heads=2, head_dim=16, conv_size=W, gate_lower_bound=-5.0)
-    layer = kda_module.KDA(32, cfg, 1e-6, rngs=nnx.Rngs(3))
-    x = jax.random.normal(jax.random.key(1), (2, 24, 32))
-    valid = jnp.arange(24)[None] < jnp.array([[24], [13]])
-    runs, kernels = {}, {}
-    for on in (True, False):
-        monkeypatch.setattr(kda_module, "CONV_KERNEL_AT_PREFILL", on)
-        with use_implementation("pallas"):  # one chunk's function, traced under the switch, for both chunks
-            chunk = jax.jit(lambda x, state, valid: layer(x, state, valid=valid))
-            state = layer.initial_state(2)
-            kernels[on] = str(chunk.trace(x[:, :12], state, valid[:, :12]).jaxpr).count("name=conv_silu_chunk")
-            first, state = chunk(x[:, :12], state, valid[:, :12])
-            second, state = chunk(x[:, 12:], state, valid[:, 12:])
-        runs[on] = (first, second, state.conv, state.recurrent)
-    assert (kernels[True], kernels[False]) == (1, 0)
-    for got, want in zip(runs[True], runs[False]):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
