@@ -1,15 +1,18 @@
 """Operands whose offsets wrap in JAX's Triton lowering (2**31 to 2**32 one-byte elements: 32-bit signed
 offsets) never reach a Triton kernel: the grouped MX product takes the Mosaic GPU kernel instead, or raises;
-the fused decode MoE gives way to the other MoE paths. Shapes only (``jax.ShapeDtypeStruct``, traced and
+the split decode MoE gives way to the other MoE paths. Shapes only (``jax.ShapeDtypeStruct``, traced and
 lowered, never allocated): such operands are gigabytes."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 
+import pallas_kernels._platform
 from k3jax import use_implementation
 from k3jax.mx import MXTensor
 from pallas_kernels._triton import offsets_wrap
+from pallas_kernels.moe import triton_split
+from pallas_kernels.moe.ops import _split_runs
 from pallas_kernels.mx_matmul import grouped_mx_matmul
 from pallas_kernels.mx_matmul import ops
 
@@ -43,26 +46,24 @@ GROUPED_ARGS = (shape(32, 3584, dtype=BF16), shape(448, 3072, 1792), shape(448, 
 
 def test_grouped_mx_matmul_wrapping_stack_takes_mosaic_gpu(monkeypatch):
     """Codes of 448 of K3's experts: the grouped product lowers for CUDA through Mosaic GPU, not Triton."""
-    monkeypatch.setattr(ops, "mosaic_gpu_runs", lambda: True)
+    monkeypatch.setattr(pallas_kernels._platform, "mosaic_gpu_runs", lambda: True)
     text = jax.jit(lambda *a: _grouped(*a)).trace(*GROUPED_ARGS).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text and "triton" not in text
 
 
 def test_grouped_mx_matmul_wrapping_stack_raises_without_mosaic_gpu(monkeypatch):
-    monkeypatch.setattr(ops, "mosaic_gpu_runs", lambda: False)
+    monkeypatch.setattr(pallas_kernels._platform, "mosaic_gpu_runs", lambda: False)
     with pytest.raises(ValueError, match="offsets wrap"):
         jax.jit(lambda *a: _grouped(*a)).trace(*GROUPED_ARGS)
 
 
-def test_fused_decode_moe_not_for_wrapping_stacks():
-    """The fused decode MoE kernels (Triton) index the whole stacks: at `mini`'s widths, where they run at one
+def test_split_moe_not_for_wrapping_stacks():
+    """The split decode MoE kernels (Triton) index the whole stacks: at `mini`'s widths, where they run at one
     token, over 4096 experts (1.6 GB of w1 codes) but not over 6000 (2.4 GB)."""
-    from k3jax.layers.moe import _fused_decode
-
     stack = lambda e: MXTensor(shape(e, 768, 512), shape(e, 768, 32), "mxfp4")
     with use_implementation("pallas"):
-        assert _fused_decode(stack(4096), 1, 8, tiled=False)
-        assert not _fused_decode(stack(6000), 1, 8, tiled=False)
+        assert _split_runs(stack(4096), 1, 8, tiled=False)
+        assert not _split_runs(stack(6000), 1, 8, tiled=False)
 
 
 def _k3_stacks(experts: int):
@@ -72,28 +73,27 @@ def _k3_stacks(experts: int):
     return up, up, down
 
 
-@pytest.mark.parametrize("entry", ["fused_moe_mx", "fused_moe_mx_split", "routed_moe_mx_split"])
-def test_fused_moe_entries_raise_for_wrapping_stacks(entry):
-    """Called directly, the fused MoE kernels refuse stacks whose offsets wrap (448 of K3's experts), naming the
+@pytest.mark.parametrize("entry", ["fused_moe_mx_split", "routed_moe_mx_split"])
+def test_split_moe_entries_raise_for_wrapping_stacks(entry):
+    """Called directly, the split MoE kernels refuse stacks whose offsets wrap (448 of K3's experts), naming the
     operand."""
-    from pallas_kernels import mx_matmul
-
     x, weights, experts = shape(1, 3584, dtype=BF16), shape(1, 16, dtype=jnp.float32), shape(1, 16, dtype=jnp.int32)
     act = lambda g, u: g * u
     stacks = _k3_stacks(448)
     with pytest.raises(ValueError, match=r"w1\.codes: 2466250752 one-byte elements.* offsets wrap"):
         if entry == "routed_moe_mx_split":
-            mx_matmul.routed_moe_mx_split(x, *stacks, shape(1, 448, dtype=jnp.float32), shape(448, dtype=jnp.float32),
-                                          act, k=16, renormalize=True, scaling_factor=1.0, interpret=False)
+            logits, bias = shape(1, 448, dtype=jnp.float32), shape(448, dtype=jnp.float32)
+            triton_split.routed_moe_mx_split(x, *stacks, logits, bias, act, k=16, renormalize=True, scaling_factor=1.0,
+                                             interpret=False)
         else:
-            getattr(mx_matmul, entry)(x, *stacks, weights, experts, act, interpret=False)
+            triton_split.fused_moe_mx_split(x, *stacks, weights, experts, act, interpret=False)
 
 
 @pytest.mark.parametrize("rows", [1, 32])
 def test_dense_mx_matmul_raises_for_wrapping_weights(rows, monkeypatch):
     """A dense MXFP4 weight of 2**20 x 4608 (2.4e9 code bytes) on the Triton kernels: a ValueError naming it
     (at one row where the Mosaic GPU kernel does not run)."""
-    monkeypatch.setattr(ops, "mosaic_gpu_runs", lambda: False)
+    monkeypatch.setattr(pallas_kernels._platform, "mosaic_gpu_runs", lambda: False)
     w = MXTensor(shape(2**20, 2304), shape(2**20, 144), "mxfp4")
     with pytest.raises(ValueError, match=r"w\.codes: 2415919104 one-byte elements"):
         ops.mx_matmul(shape(rows, 4608, dtype=BF16), w, interpret=False)

@@ -1,7 +1,7 @@
 """The Mosaic TPU MX matmul kernels (``pallas_kernels/mx_matmul/tpu.py``) against the decode-then-dot
 references, in Pallas' TPU interpret mode on CPU, and their Pallas -> Mosaic TPU lowering.
 
-As in ``test_kda_tpu.py``, lowering for the TPU platform on this CPU-only machine runs Pallas' TPU
+As in ``tests/kernels/kda/test_tpu.py``, lowering for the TPU platform on this CPU-only machine runs Pallas' TPU
 lowering (block-shape rules, a rule for every primitive, the Mosaic module built and serialized) but
 not Mosaic's own passes and compiler, which run in libtpu on a TPU. Nothing here ran on a TPU.
 """
@@ -22,8 +22,8 @@ from pallas_kernels.mx_matmul import (
     grouped_mx_matmul_reference,
     mx_matmul,
     mx_matmul_reference,
-    tpu,
 )
+from pallas_kernels.mx_matmul import tpu
 from reference_numpy import rel_err
 
 # Small tiles: several M tiles, two N tiles (grouped), two K steps at K = 512.

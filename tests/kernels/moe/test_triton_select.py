@@ -1,5 +1,6 @@
-"""The one-kernel expert selection (pallas_kernels/route.py, interpret mode on CPU) against the
-reference selection (k3jax.functional.moe.select_experts: sigmoid, lax.top_k, renormalize)."""
+"""The one-kernel expert selection (pallas_kernels/moe/triton_select.py, interpret mode on CPU) and its per-slot
+picks by rank (which the split MoE's first kernel makes itself) against the reference selection
+(k3jax.functional.moe.select_experts: sigmoid, lax.top_k, renormalize)."""
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +8,9 @@ import numpy as np
 import pytest
 
 from k3jax.functional.moe import select_experts as reference
-from pallas_kernels.moe.triton_select import select_experts
+from mx_inputs import router_case
+from pallas_kernels.moe.triton_select import (expert_ranks, padded_router_inputs, select_experts, slot_expert,
+                                              slot_weight)
 
 
 @pytest.mark.parametrize("experts,k,renormalize,tokens,block_logits", [
@@ -46,3 +49,19 @@ def test_lowers_for_cuda_through_triton(tokens, experts):
     f = lambda logits, bias: select_experts(logits, bias, 8, True, 1.0, interpret=False)
     args = [jax.ShapeDtypeStruct((tokens, experts), jnp.float32), jax.ShapeDtypeStruct((experts,), jnp.float32)]
     assert "xla.gpu.triton" in jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_slot_picks_by_rank_equal_select_experts(renormalize):
+    """Each slot's (expert, weight) by ranks against ``select_experts`` (lax.top_k), 12 experts in 16 lanes."""
+    k, tokens = 4, 3
+    logits, bias = router_case(tokens)
+    weights, experts = reference(logits, bias, k, renormalize, 2.5)
+    assert np.all(np.asarray(experts[:, :3]) == [7, 2, 5])
+    padded, padded_bias = padded_router_inputs(logits, bias)
+    for t in range(tokens):
+        for slot in range(k):
+            scores, rank = expert_ranks(padded[t], padded_bias[0])
+            expert, weight = slot_expert(rank, slot), slot_weight(scores, rank, slot, k, renormalize, 2.5)
+            assert int(expert) == int(experts[t, slot])
+            np.testing.assert_allclose(float(weight), float(weights[t, slot]), rtol=1e-6)
