@@ -1,4 +1,4 @@
-"""The decode step's latent cache write (pallas_kernels/latent_cache.py, interpret mode on CPU)
+"""The decode step's latent cache write (pallas_kernels/mla/triton_cache.py, interpret mode on CPU)
 against ``MLA.latent`` and the scatter with ``mode="drop"``."""
 
 import jax

@@ -1,4 +1,4 @@
-"""The prefill flash-attention kernel (pallas_kernels/prefill_attention.py, interpret mode on CPU)
+"""The prefill flash-attention kernel (pallas_kernels/mla/triton_attention.py, interpret mode on CPU)
 against softmax attention in float64 NumPy with an explicit position mask."""
 
 import jax

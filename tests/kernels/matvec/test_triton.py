@@ -1,18 +1,15 @@
-"""The several-weights matvec kernel (pallas_kernels/matvec.py, interpret mode on CPU) against
-jnp.einsum at precision HIGHEST on float32-cast operands, rounded once to the output dtype."""
+"""The several-weights matvec kernel (pallas_kernels/matvec/triton.py, interpret mode on CPU) against
+jnp.einsum at precision HIGHEST on float32-cast operands, rounded once to the output dtype. The op's entry
+``project``, which picks it: test_ops.py."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-from k3jax import use_implementation
 from k3jax.functional.moe import situ, swiglu
-from k3jax.functional.attn_res import DepthMix
 from k3jax.functional.norms import rms_norm
-from k3jax.layers import basic
-from k3jax.layers.basic import Activated, RMSNorm, project
+from pallas_kernels.kda.triton_short_conv import conv_silu_step
 from pallas_kernels.matvec.triton import MAX_ROWS, MatvecBlocks, matvecs
 
 # bn = 8 (16 in the dot form), bk = 64: N = 5 is below the block, 20 and 13 are not multiples of
@@ -143,49 +140,11 @@ def test_prologue_matches_its_jnp_reference(name):
                                    rtol=tolerance, atol=tolerance)
 
 
-def _project_site(name, key):
-    """project's arguments at one row for each input the kernel prepares: a shared expert's down
-    projection (SiTU), the routed experts' float32 sums read as bf16 before the latent norm."""
-    f32, bf16 = jnp.float32, jnp.bfloat16
-    k = jax.random.split(key, 5)
-    normal = lambda i, shape, dtype, scale=1.0: (scale * jax.random.normal(k[i], shape, f32)).astype(dtype)
-
-    def rms(width):
-        norm = RMSNorm(width, 1e-5, param_dtype=bf16)
-        norm.weight = nnx.Param((1.0 + 0.1 * normal(4, (width,), f32)).astype(bf16))
-        return norm
-
-    if name == "shared_expert":
-        return (Activated(situ, normal(0, (1, 1, 72), bf16, 4.0), normal(2, (1, 1, 72), bf16, 4.0)),
-                [normal(1, (20, 72), bf16)]), {}
-    if name == "residual_adds":
-        return (normal(0, (1, 1, 64), bf16), [normal(1, (20, 64), bf16)]), dict(
-            add=(normal(2, (1, 1, 20), bf16, 8.0), normal(3, (1, 1, 20), bf16, 8.0)))
-    return (normal(0, (1, 1, 64), f32, 3.0), [normal(1, (20, 64), bf16)], None, rms(64)), dict(read_as=bf16)
-
-
-@pytest.mark.parametrize("name", ["shared_expert", "latent_up", "residual_adds"])
-def test_project_kernel_prologue_equals_xla(name, monkeypatch):
-    """project on the Pallas path at one row (the matvec kernel, the input prepared in its prologue,
-    addends in its epilogue) against the same call on XLA (kernel rows set to 0): equal up to one bf16 ulp."""
-    args, kwargs = _project_site(name, jax.random.key(len(name)))
-    with use_implementation("pallas"):
-        assert "pallas_call" in str(jax.make_jaxpr(lambda: project(*args, **kwargs))())
-        got = project(*args, **kwargs)[0]
-        monkeypatch.setattr(basic, "MATVEC_KERNEL_ROWS", 0)
-        assert "pallas_call" not in str(jax.make_jaxpr(lambda: project(*args, **kwargs))())
-        want = project(*args, **kwargs)[0]
-    assert got.shape == want.shape == (1, 1, 20) and got.dtype == want.dtype == jnp.bfloat16
-    np.testing.assert_allclose(np.float32(got), np.float32(want), rtol=1e-2, atol=1e-2)
-
-
 @pytest.mark.parametrize("m", [1, 3])
 def test_short_conv_epilogue_equals_the_conv_kernel(m):
     """``conv``: the first two outputs (20 and 13 rows: a partial block of 8 and a ragged last one) through
     the short convs and SiLU in the kernel, the state updated in place, bitwise as the plain products then
     ``conv_silu_step`` (itself tested against ``causal_conv``); the outputs after them untouched."""
-    from pallas_kernels.kda.triton_short_conv import conv_silu_step
-
     depth, width = 200, 4
     keys = jax.random.split(jax.random.key(30 + m), 8)
     x = jax.random.normal(keys[0], (m, depth), jnp.float32).astype(jnp.bfloat16)
@@ -221,16 +180,6 @@ def test_short_conv_epilogue_refuses_bad_operands():
         matvecs(x, [w], conv=([taps, taps], state))
 
 
-def test_project_keeps_a_wide_activation_on_xla():
-    """An ``Activated`` wider than ``ACT_PROLOGUE_MAX_WIDTH`` is not computed in the kernel's prologue
-    (measured slower): project traces XLA's act and einsum, no kernel."""
-    width = basic.ACT_PROLOGUE_MAX_WIDTH + 32
-    x = Activated(situ, jnp.ones((1, 1, width), jnp.bfloat16), jnp.ones((1, 1, width), jnp.bfloat16))
-    with use_implementation("pallas"):
-        jaxpr = str(jax.make_jaxpr(lambda: project(x, [jnp.ones((8, width), jnp.bfloat16)]))())
-    assert "pallas_call" not in jaxpr and "dot_general" in jaxpr
-
-
 def test_bad_inputs_are_refused():
     x = jnp.zeros((2, 64), jnp.bfloat16)
     w = jnp.zeros((8, 64), jnp.bfloat16)
@@ -248,16 +197,12 @@ def test_bad_inputs_are_refused():
         matvecs(x, [w], act=(swiglu, jnp.zeros((2, 32), jnp.bfloat16)))
     with pytest.raises(ValueError, match="read_as must be bfloat16 or float32"):
         matvecs(x, [w], read_as=jnp.float16)
-    with pytest.raises(ValueError, match="read_as applies to an array"):
-        project(DepthMix(jnp.zeros((1, 2, 64)), 0, x, jnp.ones((64,)), jnp.ones((64,)), 1e-6), [w], read_as=jnp.float32)
     with pytest.raises(ValueError, match="at least one"):
         matvecs(x, [])
     with pytest.raises(ValueError, match="one sequence of addends per weight"):
         matvecs(x, [w, w], add=[[]])
     with pytest.raises(ValueError, match=r"addends of output 0 must be \[M, N\]"):
         matvecs(x, [w], add=[[jnp.zeros((2, 8), jnp.float32)]])
-    with pytest.raises(ValueError, match="add needs exactly one weight"):
-        project(x, [w, w], add=(jnp.zeros((2, 8), jnp.bfloat16),))
     with pytest.raises(ValueError, match="power of two"):
         MatvecBlocks(bn=12)
     with pytest.raises(ValueError, match="bn and bk >= 16"):

@@ -1,5 +1,6 @@
-"""The AttnRes mix + RMSNorm kernel (pallas_kernels/depth_mix.py, interpret mode on CPU) against
-``attn_res_mix`` rounded to the partial's dtype, then ``rms_norm``."""
+"""The AttnRes mix + RMSNorm kernel (pallas_kernels/attn_res/triton.py, interpret mode on CPU) against
+``attn_res_mix`` rounded to the partial's dtype, then ``rms_norm``; the op's choice of it for many rows
+(``KernelPolicy.mix_kernel_any_rows``); a layer reading a ``DepthMix``."""
 
 import jax
 import jax.numpy as jnp
@@ -10,10 +11,12 @@ from flax import nnx
 from k3jax.config import MoEConfig
 from k3jax.functional.attn_res import DepthMix, attn_res_mix
 from k3jax.functional.norms import rms_norm
-from k3jax.layers.basic import RMSNorm
+from k3jax.implementation import KernelPolicy, use_implementation
+from k3jax.layers.basic import RMSNorm, norm_params
 from k3jax.layers.mlp import activation
 from k3jax.layers.moe import MoE
 from pallas_kernels.attn_res.triton import mix_norm
+from pallas_kernels.matvec.ops import project
 
 DEPTH, EPS, MIX_EPS = 200, 1e-5, 1e-6  # D not a power of two: the padded columns are masked
 
@@ -78,12 +81,9 @@ def test_moe_reads_a_depth_mix_as_its_value(latent):
                                atol=1e-6)
 
 
-def test_project_mixes_many_rows_in_the_kernel(monkeypatch):
+def test_project_mixes_many_rows_in_the_kernel():
     """On the Pallas path a ``DepthMix`` of many rows (a prefill chunk's) reaches ``project`` as one mix + norm
-    kernel (``MIX_KERNEL_ANY_ROWS``), whose maps equal XLA's mix, norm and einsum; off, XLA mixes."""
-    from k3jax.implementation import use_implementation
-    from k3jax.layers import basic
-
+    kernel (``KernelPolicy.mix_kernel_any_rows``), whose maps equal XLA's mix, norm and einsum; off, XLA mixes."""
     blocks, partial, site_norm, site_proj, norm_weight = _inputs(12, jnp.float32, seed=9)
     new_mix = lambda: DepthMix(blocks.reshape(3, 2, 6, DEPTH), 2, partial.reshape(2, 6, DEPTH), site_norm, site_proj,
                                MIX_EPS)  # one per trace: a mix keeps its value once computed
@@ -92,9 +92,9 @@ def test_project_mixes_many_rows_in_the_kernel(monkeypatch):
     w = jax.random.normal(jax.random.key(4), (40, DEPTH)) * DEPTH**-0.5
     outs, kernels = {}, {}
     for on in (True, False):
-        monkeypatch.setattr(basic, "MIX_KERNEL_ANY_ROWS", on)
-        with use_implementation("pallas"):  # a fresh function below: the switch is read when traced
-            f = lambda w: basic.project(new_mix(), [w], norm=norm)[0]
+        with use_implementation("pallas", policy=KernelPolicy(mix_kernel_any_rows=on)):
+            # a fresh function below: the policy is read when traced
+            f = lambda w: project(new_mix(), [w], norm=norm_params(norm))[0]
             kernels[on] = str(jax.make_jaxpr(f)(w)).count("name=mix_norm")
             outs[on] = jax.jit(f)(w)
     assert (kernels[True], kernels[False]) == (1, 0)
