@@ -8,8 +8,7 @@ import pytest
 from flax import nnx
 
 from small_models import build
-from k3jax.implementation import use_implementation
-from k3jax.layers import basic
+from k3jax.implementation import KernelPolicy, use_implementation
 from k3jax.inference import DECODE_GPU_OPTIONS, DETERMINISTIC_GPU_OPTIONS, PREFILL_GPU_OPTIONS, Generator, on_gpu
 from k3jax.layers.mla import MLA
 from k3jax.model import layer_groups
@@ -277,7 +276,7 @@ def test_gpu_options_are_xla_compile_options(monkeypatch):
         jax.jit(merged, compiler_options=misspelt).lower(x, a, b).compile()
 
 
-def test_pallas_batch_one_decode_matvec_kernel_equals_einsums(monkeypatch):
+def test_pallas_batch_one_decode_matvec_kernel_equals_einsums():
     """The Pallas path end to end at batch 1 (kernels in interpret mode: chunked KDA prefill, the KDA
     decode step, expert selection, the fused MoE), decode steps with the one-row kernels (each AttnRes
     mix and the norm after it in one, then the matvecs) against the same steps with XLA's mixes and
@@ -293,9 +292,9 @@ def test_pallas_batch_one_decode_matvec_kernel_equals_einsums(monkeypatch):
     with use_implementation("pallas"):
         with_kernel = Generator(built.model, max_len=16, prefill_chunk=16, attend_block=16)
         _, prefilled = with_kernel.prefill([list(seq[:7])], with_kernel.init_cache(1))
-        for name, rows in (("kernel", 1), ("einsums", 0)):
-            monkeypatch.setattr(basic, "MATVEC_KERNEL_ROWS", rows)  # read when the decode step is traced
-            monkeypatch.setattr(basic, "MIX_KERNEL_ANY_ROWS", rows > 0)
+    einsums = KernelPolicy(matvec_max_rows=0, mix_kernel_any_rows=False)
+    for name, policy in (("kernel", KernelPolicy()), ("einsums", einsums)):
+        with use_implementation("pallas", policy=policy):  # read when the decode step is traced
             gen = with_kernel if name == "kernel" else Generator(built.model, max_len=16, attend_block=16)
             cache = jax.tree.map(jnp.copy, prefilled)  # each decode donates its cache
             logits = []
