@@ -227,13 +227,13 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--deterministic", action="store_true",
                      help="on a GPU, the same tokens in every process for a seed, not only within one (slower: "
                      "k3jax.inference.DETERMINISTIC_GPU_OPTIONS)")
-    gen.set_defaults(func=_generate, check=_check_generate)
+    gen.set_defaults(func=_generate, check_flags=_check_generate)
 
     mem = sub.add_parser("memory", help="memory for weights and caches at a context length")
     mem.add_argument("--config", default="kimi-k3", choices=sorted(PRESETS))
     mem.add_argument("--context", type=int, default=131072, help="tokens per sequence (default: %(default)s)")
     mem.add_argument("--batch", type=int, default=1, help="sequences (default: %(default)s)")
-    mem.set_defaults(func=_memory, check=_check_memory)
+    mem.set_defaults(func=_memory, check_flags=_check_memory)
 
     info = sub.add_parser("info", help="layers and parameter counts of a preset")
     info.add_argument("--config", default="kimi-k3", choices=sorted(PRESETS))
@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as stop:  # --help, or a flag argparse refused (already reported on one line)
         return stop.code
     try:
-        getattr(args, "check", lambda _: None)(args)
+        getattr(args, "check_flags", lambda _: None)(args)
     except (TypeError, ValueError) as err:
         return _fail(args.command, f"{err} (see k3jax {args.command} --help)", 2)
     try:

@@ -160,3 +160,10 @@ def test_interrupt_ends_with_status_130_and_no_traceback(capsys, monkeypatch):
 def test_help_returns_zero(capsys):
     assert main(["memory", "--help"]) == 0
     assert "--context" in capsys.readouterr().out
+
+
+def test_convert_is_delegated_with_its_own_flags(tmp_path):
+    """``convert`` runs the converter's command; no flag check of this module stands in its way (its namespace
+    holds flags of its own, a ``--check`` among them)."""
+    assert main(["convert", "--synthetic", "tiny", str(tmp_path / "k3-tiny")]) == 0
+    assert (tmp_path / "k3-tiny" / "config.json").exists()
