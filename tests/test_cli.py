@@ -1,4 +1,4 @@
-"""The command line: generation on the embedded default with progress and a closing summary, the memory and info
+"""The command line: generation on a small random model with progress and a closing summary, the memory and info
 reports, every flag checked before a model is built, and each user error as one line on stderr with a nonzero
 status (no traceback)."""
 
@@ -37,10 +37,12 @@ def no_model(monkeypatch):
 
 
 def test_generate_streams_with_progress_and_a_summary(capsys):
-    """Greedy on the tiny random model, byte-level tokenizer: the prefill reported chunk by chunk (--progress, stderr
-    not a terminal: a line per chunk), then the prompt and one printed piece per new token; the last line counts them
-    and gives their mean log-probability (within [-log V, 0] for a greedy pick)."""
-    argv = ["generate", "--prompt", PROMPT, "--max-tokens", "3", "--stream", "--progress", "--prefill-chunk", "16"]
+    """Greedy on a small random model (tiny_linear, the quicker preset to build), byte-level tokenizer: the prefill
+    reported chunk by chunk (--progress, stderr not a terminal: a line per chunk), then the prompt and one printed
+    piece per new token; the last line counts them and gives their mean log-probability (within [-log V, 0] for a
+    greedy pick)."""
+    argv = ["generate", "--preset", "tiny_linear", "--prompt", PROMPT, "--max-tokens", "3", "--stream", "--progress",
+            "--prefill-chunk", "16"]
     assert main(argv) == 0
     out, err = capsys.readouterr()
     assert out.startswith(PROMPT) and out.endswith("\n") and out.count(PROMPT) == 1
@@ -49,7 +51,7 @@ def test_generate_streams_with_progress_and_a_summary(capsys):
     summary = re.fullmatch(r"\[generated 3 tokens after a 32-token prompt \(--max-tokens 3 reached\); mean "
                            r"log-probability (-?[0-9.]+); .*decode not timed: one call, which compiled\]", lines[-1])
     assert summary, err
-    assert -math.log(preset("tiny").vocab_size) <= float(summary.group(1)) <= 0
+    assert -math.log(preset("tiny_linear").vocab_size) <= float(summary.group(1)) <= 0
 
 
 class Terminal(io.StringIO):
