@@ -23,12 +23,13 @@ _SHOWN = 60  # characters of an offending value quoted in an error
 
 
 def describe(value: Any) -> str:
-    """A short description of a JSON value for an error: its type, and the value when small."""
-    kind = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null",
-            int: "an integer", float: "a number"}.get(type(value), type(value).__name__)
-    if isinstance(value, (dict, list)):
-        return f"{kind} of {len(value)}"
-    text = repr(value)
+    """A short description of a JSON value for an error: "an object of 3", "a list of 2", "null",
+    or the value itself (cut to 60 characters)."""
+    if isinstance(value, dict):
+        return f"an object of {len(value)}"
+    if isinstance(value, list):
+        return f"a list of {len(value)}"
+    text = "null" if value is None else repr(value)
     return text if len(text) <= _SHOWN else text[:_SHOWN] + "..."
 
 
@@ -114,7 +115,7 @@ class Fields:
         value = self.data.get(key)
         if value is None:
             if default is REQUIRED:
-                raise self.fail(key, expected)
+                raise self.fail(key, expected, None if key in self.data else REQUIRED)
             return default
         if not ok(value):
             raise self.fail(key, expected, value)
