@@ -129,6 +129,9 @@ def export(
         shutil.rmtree(partial, ignore_errors=True)
         raise ConversionError(f"{e.filename or partial}: writing failed ({e.strerror or e}); {partial} was removed, "
                               f"nothing was exported") from e
+    except CheckpointError as e:  # a damaged part of the checkpoint being exported, found as it is read
+        shutil.rmtree(partial, ignore_errors=True)
+        raise CheckpointError(f"{e}; {partial} was removed, nothing was exported") from None
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise

@@ -140,6 +140,9 @@ class CheckpointParams(Mapping):
             return MXTensor(leaves[path + ".codes"], leaves[path + ".scales"])
         return leaves[path]
 
+    def __contains__(self, path: object) -> bool:  # from the manifest: no part is read
+        return path in self.params
+
     def __iter__(self) -> Iterator[str]:
         return (p for paths in self.by_part.values() for p in paths)
 

@@ -66,6 +66,9 @@ class RandomParams(Mapping):
             self._cache = (path, self._draw(self.table[path]))
         return self._cache[1]
 
+    def __contains__(self, path: object) -> bool:  # nothing drawn
+        return path in self.table
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.table)
 

@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 
-from convert import CheckpointError, convert, verify_checkpoint, write_synthetic
+from convert import CheckpointError, convert, export_checkpoint, verify_checkpoint, write_synthetic
 from convert.cli import build_parser, main
 from convert.integrity import CheckpointParams
 from convert.manifest import MANIFEST, PARTS
@@ -98,3 +98,7 @@ def test_flipped_bit_is_caught_by_verification(converted, tmp_path, capsys):
         load(bad, verify=True)
     status, out, err = _check(bad, capsys)
     assert status == 1 and out == "" and err.count("\n") == 1 and "fails its CRC-32 check" in err
+    with pytest.raises(CheckpointError, match=r"fails its CRC-32 check .*; .*back.partial was removed, nothing was "
+                                              r"exported"):
+        export_checkpoint(bad, tmp_path / "back")
+    assert not (tmp_path / "back").exists() and not (tmp_path / "back.partial").exists()
