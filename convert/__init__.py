@@ -7,8 +7,7 @@
 - ``write_synthetic(out, preset)``: small or multi-GB synthetic checkpoints in the released layouts.
 - ``k3jax.checkpoint.load(path)``: either kind of folder -> a ready ``K3Model``.
 
-Names are imported on first use, so ``convert.json_schema`` (which ``k3jax.config`` reads JSON
-with) loads without JAX, orbax or the model.
+Names are imported on first use: ``import convert`` alone loads neither JAX, orbax nor the model.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from convert.integrity import CheckpointParams
-from convert.json_schema import Fields, parse_json
+from k3jax.json_schema import Fields, parse_json
 from convert.manifest import check_layout
 from convert.names import (
     Param, Released, a_log_to_released, expert_row, nbytes, param_table, prefix_for, released_specs,

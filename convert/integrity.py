@@ -21,7 +21,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from convert.json_schema import inside
+from k3jax.json_schema import inside
 from convert.manifest import MANIFEST, PARTS, read_manifest
 from convert.orbax_io import read_part
 from convert.progress import Progress

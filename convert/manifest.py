@@ -13,7 +13,7 @@ Manifest (version 2):
   digits}}`` (an MXFP4 parameter ``p`` is the arrays ``p.codes`` and ``p.scales``);
 - ``source``: the released layout for export: ``prefix``, ``shards`` (``file``, ``metadata``,
   ``tensors`` as [name, dtype, shape]), ``skipped``, ``unknown``, ``a_log_tails``.
-Every file name read from a manifest is a name inside its folder (``convert.json_schema.safe_name``).
+Every file name read from a manifest is a name inside its folder (``k3jax.json_schema.safe_name``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from convert.json_schema import Fields, read_json, relative_file, safe_name
+from k3jax.json_schema import Fields, read_json, relative_file, safe_name
 from convert.safetensors_io import DTYPES, FLOATS, CheckpointError
 
 MANIFEST = "k3jax_checkpoint.json"

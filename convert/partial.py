@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 
 from convert.integrity import checksums, part_files
-from convert.json_schema import Fields, read_json
+from k3jax.json_schema import Fields, read_json
 from convert.manifest import PARTS, part_name
 from convert.orbax_io import part_is_complete, write_json, write_part
 

@@ -3,7 +3,7 @@
 File format: 8-byte little-endian header length N, N bytes of JSON
 (``{"__metadata__": {...}, name: {"dtype": "BF16", "shape": [...], "data_offsets": [a, b]}}``),
 then the data region; ``data_offsets`` are relative to the start of the data region.
-Headers, the index and config.json are read with typed getters (``convert.json_schema``); a shard
+Headers, the index and config.json are read with typed getters (``k3jax.json_schema``); a shard
 named by the index must be a file name inside the checkpoint folder. Every check raises
 ``CheckpointError`` naming the file (and tensor or key) and what was expected.
 """
@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable, Mapping
 import ml_dtypes
 import numpy as np
 
-from convert.json_schema import Fields, inside, parse_json, read_json, safe_name
+from k3jax.json_schema import Fields, inside, parse_json, read_json, safe_name
 
 MAX_HEADER_BYTES = 100 << 20
 

@@ -1,7 +1,7 @@
 """Model configuration: a tree of frozen dataclasses, read from a released or HF-saved ``config.json``.
 
 ``from_hf_config`` reads either member of the ``kimi_linear`` family (Kimi-K3 with its nested
-``text_config``, Kimi-Linear-48B-A3B flat). Every key it reads is typed (``convert.json_schema``):
+``text_config``, Kimi-Linear-48B-A3B flat). Every key it reads is typed (``k3jax.json_schema``):
 a wrong type or value raises ``ConfigError`` naming the file, the key and what was expected.
 
 The reference is HF transformers' ``KimiLinearConfig`` (and ``DeepseekV3Config`` it builds on):
@@ -35,7 +35,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Mapping
 
-from convert.json_schema import Fields
+from k3jax.json_schema import Fields
 
 LayerType = Literal["kda", "mla"]
 Activation = Literal["situ", "silu"]

@@ -49,27 +49,27 @@ class Generation:
 
 # The decode step's command buffer (CUDA graph) orders its kernels by the buffers they share, not in
 # XLA's one-stream schedule, so kernels that share no buffer may run side by side: on the H200
-# the B=64 step of `mini` took 2.73 ms against 3.11 (benchmarks/RESULTS.md, issue 4, tenth session).
+# the B=64 step of `mini` took 2.73 ms against 3.11 (benchmarks/HISTORY.md, 2026-12-01).
 DECODE_GPU_OPTIONS = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
 # A prefill chunk's: XLA's dot merger off. It joins the matmuls that read one input (a layer's projections) into one
 # over their weights concatenated, a copy of the weights (up to 46 MB at `mini`) written on every call: on the H200, 33
 # copies in a 2048-token `mini` chunk, 290 us of its 10.6 ms; without them a 2048-token prompt took 19.5 against 20.7
 # ms (best of five rounds; medians 22.2 and 22.7). The decode step keeps the merger: its concurrent command buffer
-# runs the copies beside the step's chain (B=8 and B=64 tied) (benchmarks/RESULTS.md, issue 4, thirty-first session).
+# runs the copies beside the step's chain (B=8 and B=64 tied) (benchmarks/HISTORY.md, 2026-12-03).
 PREFILL_GPU_OPTIONS = {"xla_disable_hlo_passes": "dot-merger"}
 # Prompt tokens per prefill call: on the H200 a 4096-token `mini` prompt took 35.3 ms in chunks of 2048 against
-# 67.6 in chunks of 256, with as many compiles (benchmarks/RESULTS.md, issue 4, thirtieth session).
+# 67.6 in chunks of 256, with as many compiles (benchmarks/HISTORY.md, 2026-12-03).
 DEFAULT_PREFILL_CHUNK = 2048
 # Decode steps per compiled call in ``generate``: on the H200 `mini`'s B=1 steps took 0.844 ms a token in calls of 8
 # and of 32 (the GPU's own time), against 0.95 one step a call, where the host's 0.6-1.0 ms to dispatch a step set
-# the pace (benchmarks/RESULTS.md, issue 4, thirty-fourth session).
+# the pace (benchmarks/HISTORY.md, 2026-12-04).
 DEFAULT_STEPS_PER_CALL = 8
 # Run-to-run reproducibility on a GPU: XLA picks some of its kernels by timing candidates at each compile (its
 # autotuning), so two processes may sum a product in different orders; with this option the same weights, prompts and
 # seed give the same bits in every process. On the H200, `mini`'s prefill logits differed between two processes
 # without it, and prefill, decode and generate were bitwise equal across two processes with it; it cost a 2048-token
 # prefill 14.6 against 12.6 ms, the B=1 step 0.916 against 0.897 ms a token, the B=64 step 3.10 against 2.45 ms, so
-# it is off by default (benchmarks/RESULTS.md, issue 4, thirty-fifth session). Within one process a compiled call
+# it is off by default (benchmarks/HISTORY.md, 2026-12-04). Within one process a compiled call
 # repeats bitwise either way.
 DETERMINISTIC_GPU_OPTIONS = {"xla_gpu_deterministic_ops": True}
 
@@ -242,8 +242,7 @@ class Generator:
 
     def init_cache(self, batch: int) -> list:
         """An empty cache for ``batch`` sequences, made by one compiled call (made op by op, its zeros cost a GPU's
-        host about 8 ms before a prompt's first chunk could start: benchmarks/RESULTS.md, issue 4, thirty-third
-        session)."""
+        host about 8 ms before a prompt's first chunk could start: benchmarks/HISTORY.md, 2026-12-03)."""
         return self._init_cache(arguments.integer("batch", batch, minimum=1))
 
     def prefill(

@@ -8,7 +8,7 @@ the k3jax manifest): every error names the file, the key path and what was expec
 
 JSON ``null`` reads as an absent key. File names taken from a JSON file pass ``safe_name`` (a name
 inside its folder, never a path) and, on read, ``inside`` (no link out of the folder).
-No project imports: ``k3jax.config`` and the converter both build on it.
+Imports nothing of the project: ``k3jax.config`` and the converter (``convert``) both build on it.
 """
 
 from __future__ import annotations
