@@ -112,7 +112,7 @@ def _model(args: argparse.Namespace):
 
     if args.model is None:
         return K3Model(preset(args.preset or DEFAULT_PRESET), rngs=nnx.Rngs(args.seed))
-    return load(args.model)
+    return load(args.model, verify=args.verify)
 
 
 def _prompt_ids(args: argparse.Namespace, tokenizer, vocab_size: int) -> list[int]:
@@ -207,6 +207,9 @@ def _parser() -> argparse.ArgumentParser:
     source.add_argument("--model", default=None, help="checkpoint folder (k3jax or released safetensors)")
     source.add_argument("--preset", default=None, choices=sorted(PRESETS),
                         help=f"a preset with random weights (default: {DEFAULT_PRESET})")
+    gen.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
+                     help="check every array of a k3jax --model against its CRC-32 as it loads (default: on; it adds "
+                     "about a tenth to the load)")
     gen.add_argument("--prompt", default="Kimi K3 in JAX: ")
     gen.add_argument("--max-tokens", type=int, default=32, help="new tokens at most (default: 32)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")

@@ -15,6 +15,7 @@ from convert.integrity import CheckpointParams
 from convert.manifest import MANIFEST, PARTS
 from convert.testing import copy_folder, linear_config
 from k3jax.checkpoint import load
+from k3jax.cli import main as k3jax_main
 
 CHUNK = "layers.1.block_sparse_moe.experts.w1/0.0.0"  # an array's data file inside its part
 
@@ -102,3 +103,6 @@ def test_flipped_bit_is_caught_by_verification(converted, tmp_path, capsys):
                                               r"exported"):
         export_checkpoint(bad, tmp_path / "back")
     assert not (tmp_path / "back").exists() and not (tmp_path / "back.partial").exists()
+    assert k3jax_main(["generate", "--model", str(bad), "--max-tokens", "1"]) == 1  # the command line verifies
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "fails its CRC-32 check" in err
