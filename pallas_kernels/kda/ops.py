@@ -42,6 +42,7 @@ from pallas_kernels.kda.triton import LOWERINGS, KDABlocks, decode_step, intra_c
 from pallas_kernels.kda.triton_short_conv import conv_silu_chunk, conv_silu_step
 
 DEFAULT_BLOCKS = KDABlocks()
+FLOAT32_BLOCKS = KDABlocks(lowering="triton", inter_dtype="float32")
 MIN_LOWER_BOUND = -10.0  # most negative per-step gate whose 16-token span fits float32 (midpoint)
 
 
@@ -184,13 +185,29 @@ def _chunk_kda_bwd(scale, blocks, residuals, cotangents):
 _chunk_kda.defvjp(_chunk_kda_fwd, _chunk_kda_bwd)
 
 
+def _precise(q) -> bool:
+    """Whether the inputs ask for float32 arithmetic, which the kernels keep only in their Triton form."""
+    return jnp.dtype(q.dtype) == jnp.float32
+
+
+def _blocks_for(q, blocks: KDABlocks | None) -> KDABlocks:
+    """The blocks given, else by the inputs' dtype: float32 inputs keep float32 intermediates between the
+    Triton kernels (``FLOAT32_BLOCKS``: the float32 maths, to its rounding), narrower ones take bf16
+    intermediates and the fastest lowering (``DEFAULT_BLOCKS``)."""
+    if blocks is not None:
+        return blocks
+    return FLOAT32_BLOCKS if _precise(q) else DEFAULT_BLOCKS
+
+
 def chunk_kda(q, k, v, g, beta, initial_state=None, scale=None, *,
-              blocks: KDABlocks = DEFAULT_BLOCKS, safe_gate: bool = True):
+              blocks: KDABlocks | None = None, safe_gate: bool = True):
     """Chunked KDA by the Pallas kernels. Same contract as ``k3jax.functional.kda.chunk_kda``:
     returns (o float32 [B, T, H, V], final_state float32 [B, H, K, V]). Needs g >= -10 per step;
-    ``safe_gate=False`` (unbounded gates) runs the reference instead."""
-    if not safe_gate:
+    ``safe_gate=False`` (unbounded gates) runs the reference instead. ``blocks`` default: by the inputs'
+    dtype (``_blocks_for``); float32 inputs on a TPU, whose kernel multiplies in bf16, take the reference."""
+    if not safe_gate or (blocks is None and _precise(q) and on_tpu()):
         return reference.chunk_kda(q, k, v, g, beta, initial_state, scale)
+    blocks = _blocks_for(q, blocks)
     if initial_state is None:
         initial_state = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
     return _chunk_kda(q, k, v, g, beta, initial_state, scale, blocks)
@@ -226,13 +243,17 @@ _chunk_kda_fused.defvjp(_chunk_kda_fused_fwd, _chunk_kda_fused_bwd)
 
 
 def chunk_kda_fused(q, k, v, z, a_log, dt_bias, beta_logits, lower_bound: float = -5.0,
-                    initial_state=None, scale=None, *, blocks: KDABlocks = DEFAULT_BLOCKS):
+                    initial_state=None, scale=None, *, blocks: KDABlocks | None = None):
     """Chunked KDA from the layer's raw inputs, with K3's bounded gate, the q/k L2 norms and the beta
     sigmoid computed inside the kernel. q, k [B, T, H, K] un-normalized; v [B, T, H, V]; z [B, T, H, K]
     (f_b_proj output); a_log [H]; dt_bias [H, K]; beta_logits [B, T, H]. Returns (o, final_state) as
-    ``chunk_kda``. Raises ValueError when lower_bound < -10 (outside the kernel's float32 range)."""
+    ``chunk_kda``, ``blocks`` by the inputs' dtype as there. Raises ValueError when lower_bound < -10
+    (outside the kernel's float32 range)."""
     if lower_bound < MIN_LOWER_BOUND:
         raise ValueError(f"lower_bound {lower_bound} < {MIN_LOWER_BOUND}: use reference.chunk_kda_fused")
+    if blocks is None and _precise(q) and on_tpu():
+        return reference.chunk_kda_fused(q, k, v, z, a_log, dt_bias, beta_logits, lower_bound, initial_state, scale)
+    blocks = _blocks_for(q, blocks)
     if initial_state is None:
         initial_state = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
     return _chunk_kda_fused(q, k, v, z, a_log, dt_bias, beta_logits.astype(jnp.float32), initial_state,
@@ -259,5 +280,6 @@ def step_kda_fused(q, k, v, z, a_log, dt_bias, beta_logits, state, lower_bound: 
                    blocks=blocks, lower_bound=float(lower_bound))
 
 
-__all__ = ["DEFAULT_BLOCKS", "MIN_LOWER_BOUND", "KDABlocks", "chunk_kda", "chunk_kda_fused", "gated_kda",
+__all__ = ["DEFAULT_BLOCKS", "FLOAT32_BLOCKS", "MIN_LOWER_BOUND", "KDABlocks", "chunk_kda", "chunk_kda_fused",
+           "gated_kda",
            "resolve_decode_lowering", "resolve_lowering", "short_convs", "step_kda", "step_kda_fused"]

@@ -149,3 +149,16 @@ def test_auto_lowering_by_backend_and_version(monkeypatch, backend, version, dim
         assert resolve_decode_lowering("auto", *dims, small) == expected  # the threshold is the policy's
     assert resolve_decode_lowering("mosaic_gpu", *dims, small) == "mosaic_gpu"
     assert resolve_lowering("mosaic_tpu", *dims) == "mosaic_tpu"
+
+
+def test_float32_inputs_keep_float32_intermediates():
+    """The kernels' precision follows the inputs: float32 q, k, v keep float32 between the kernels
+    (``FLOAT32_BLOCKS``) and match the float32 maths to its rounding; bf16 intermediates, asked for with
+    ``DEFAULT_BLOCKS``, are off by bf16's rounding."""
+    q, k, v, z, a_log, dt_bias, beta_logits, h0 = (a.astype(jnp.float32) for a in raw_inputs(17, T=41))
+    expected = reference.chunk_kda_fused(q, k, v, z, a_log, dt_bias, beta_logits, -5.0, h0)
+    precise = chunk_kda_fused(q, k, v, z, a_log, dt_bias, beta_logits, -5.0, h0)
+    rounded = chunk_kda_fused(q, k, v, z, a_log, dt_bias, beta_logits, -5.0, h0, blocks=KDABlocks())
+    for out, ref_out in zip(precise, expected):
+        assert rel_err(out, ref_out) < 2e-5
+    assert rel_err(rounded[0], expected[0]) > 1e-3
