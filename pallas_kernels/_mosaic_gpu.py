@@ -1,6 +1,5 @@
-"""What the Mosaic GPU kernels (KDA, MX matmul, the persistent benchmarks) share: interpret-mode parameters across
-JAX versions, the swizzled layout of shared-memory tiles, a wgmma accumulator's transposed store, and the i32 value
-of a scalar passed to inline Mosaic GPU code."""
+"""What the Mosaic GPU kernels (KDA, MX matmul, the tiled MoE) share: interpret-mode parameters across JAX
+versions, the swizzled layout of shared-memory tiles, and a wgmma accumulator's transposed store."""
 
 from __future__ import annotations
 
@@ -58,15 +57,3 @@ def store_transposed():
         mgpu.utils.warpgroup_barrier()
 
     return store
-
-
-def splat_i32(value):
-    """The i32 MLIR value of a ``plgpu.Layout.WG_SPLAT`` argument of inline Mosaic GPU code (a scalar the whole
-    warpgroup holds), inside an ``inline_mgpu`` body."""
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm
-
-    reg = value.registers.flat[0]
-    if isinstance(reg.type, ir.VectorType):
-        reg = llvm.extractelement(reg, arith.constant(ir.IntegerType.get_signless(32), 0))
-    return reg
