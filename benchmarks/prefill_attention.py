@@ -93,7 +93,7 @@ def seconds_per_call(fn, *args) -> float:
 
 def _cudnn(q, k, v, scale, want, flops):
     """cuDNN's causal attention through ``jax.nn.dot_product_attention`` on the [B, L, H, 192] queries and
-    keys and v zero-padded to 192 (one head width for all three): the route shared/DESIGN.md names for a
+    keys and v zero-padded to 192 (one head width for all three): the route the design notes name for a
     chunk whose keys are its own queries (T = S)."""
     def run(q, k, v):
         padded = jnp.pad(v, [(0, 0)] * 3 + [(0, q.shape[-1] - v.shape[-1])])

@@ -8,8 +8,8 @@ Einsum strings, docstrings and ``# [B, T, H, K]`` comments use these letters:
     R latent rank      F expert (or MLP) width
     N sources of a Block AttnRes mix (stored blocks, then the live partial sum)
 
-The spec (``shared/spec/kimi_k3.md``) writes d for the model width and D for a head dim; the code
-uses the letters above.
+The model description (``docs/model.md``) uses these letters too; public sources often write d for the
+model width and D for a head dim.
 """
 
 from typing import TypeAlias

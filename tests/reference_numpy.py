@@ -1,4 +1,4 @@
-"""An independent float64 numpy reference of Kimi K3 / Kimi Linear, written from shared/spec/kimi_k3.md.
+"""An independent float64 numpy reference of Kimi K3 / Kimi Linear, written from the model specification (docs/model.md).
 
 Nothing here imports k3jax: the tests compare the JAX implementation against these functions.
 The code is deliberately plain: KDA is the per-token, per-head delta rule; MLA is a per-head,
