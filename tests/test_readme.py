@@ -20,6 +20,7 @@ def test_python_snippets_run_in_order():
     for code in snippets:
         exec(compile(code, "README.md", "exec"), namespace)
     assert namespace["logits"].shape == (1, 5, namespace["cfg"].vocab_size)
+    assert len(namespace["out"].tokens[0]) == 8
 
 
 def _commands() -> list[str]:
