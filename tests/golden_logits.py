@@ -60,13 +60,17 @@ def compute() -> dict[str, np.ndarray]:
 
 
 def fingerprint() -> str:
-    """What the stored bits depend on besides the code: JAX's version and the CPU."""
-    flags = ""
+    """What the stored bits depend on besides the code: JAX's version and the CPU (its model, cache and
+    instruction sets: XLA's CPU matmuls block by cache size, which orders their sums)."""
+    info = {}
     if os.path.exists("/proc/cpuinfo"):
         with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    isa = " ".join(sorted(f for f in flags.split() if f.startswith(("avx", "fma", "sse4"))))
-    return f"jax {jax.__version__}; {platform.machine()}; {isa}"
+            for line in f:
+                key, _, value = line.partition(":")
+                info.setdefault(key.strip(), value.strip())
+    isa = " ".join(sorted(f for f in info.get("flags", "").split() if f.startswith(("avx", "fma", "sse4"))))
+    cpu = f"{info.get('model name', platform.processor())}; cache {info.get('cache size', '?')}"
+    return f"jax {jax.__version__}; {platform.machine()}; {cpu}; {isa}"
 
 
 if __name__ == "__main__":

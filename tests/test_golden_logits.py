@@ -5,12 +5,18 @@ code), and the move kept every entry bitwise; the Pallas entries of `tiny` were 
 chunked KDA kernels began keeping float32 intermediates for float32 inputs (their distance to the
 reference fell, e.g. batch-1 decode's third logits from 1.3 to 0.04 relative: `tiny`'s MXFP4 experts
 read bf16 activations on that path, and its random router turns such rounding into other experts).
-Bitwise on the machine kind that stored them (same JAX, same CPU instruction sets); elsewhere XLA's
-CPU code may sum in another order, so there to float32 rounding."""
+Bitwise on a machine like the one that stored them (same JAX, CPU model, cache and instruction sets).
+Elsewhere XLA's CPU code may sum in another order: there the entries whose paths keep float32 are
+compared at the tolerances the generation tests use for these presets, and `tiny`'s Pallas entries not
+at all (its MXFP4 kernels round activations to bf16, and its random router turns a flipped rounding into
+other experts: no bound short of the logits' own size would hold)."""
 
 import numpy as np
 
 import golden_logits
+from reference_numpy import rel_err
+
+FLOAT32_TOLERANCE = {"tiny": 5e-3, "tiny_linear": 5e-5}  # as tests/test_inference.py's decode-against-forward
 
 
 def test_logits_equal_the_stored_ones():
@@ -19,7 +25,8 @@ def test_logits_equal_the_stored_ones():
     assert sorted(now) == sorted(k for k in stored.files if k != "fingerprint")
     same_machine = str(stored["fingerprint"]) == golden_logits.fingerprint()
     for key, logits in now.items():
+        preset, implementation = key.split("/")[:2]
         if same_machine:
             np.testing.assert_array_equal(logits, stored[key], err_msg=key)
-        else:
-            np.testing.assert_allclose(logits, stored[key], rtol=2e-5, atol=2e-5, err_msg=key)
+        elif not (preset == "tiny" and implementation == "pallas"):
+            assert rel_err(logits, stored[key]) < FLOAT32_TOLERANCE[preset], key
