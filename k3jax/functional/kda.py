@@ -136,24 +136,31 @@ def chunk_kda(
     return o[:, :T], state
 
 
-def gated_kda(q: Array, k: Array, v: Array, z: Array, a_log: Array, dt_bias: Array, beta_logits: Array,
-              state: Array, lower_bound: float | None, valid: Array | None = None) -> tuple[Array, Array]:
-    """The KDA layer's core from its maps' outputs: q, k L2-normed, the gate (bounded by ``lower_bound``,
-    K3; softplus where None, Kimi Linear), beta = sigmoid(beta_logits), then the chunked form for T > 1
-    or the recurrence for T = 1.
-
-    q, k, z [B, T, H, K]; v [B, T, H, V]; a_log [H]; dt_bias [H, K]; beta_logits [B, T, H]; state
-    [B, H, K, V] float32; valid [B, T] marks real tokens (padding neither decays nor writes the state).
-    Returns (o float32 [B, T, H, V], state)."""
+def gates(q: Array, k: Array, z: Array, a_log: Array, dt_bias: Array, beta_logits: Array, lower_bound: float | None,
+          valid: Array | None = None) -> tuple[Array, Array, Array, Array]:
+    """The KDA layer's maps' outputs -> (q, k L2-normed, the log decay g, beta = sigmoid(beta_logits)): the gate
+    bounded by ``lower_bound`` (K3) or softplus where None (Kimi Linear); where ``valid`` [B, T] is False
+    (padding), g = 0 and beta = 0, so the token neither decays nor writes the state."""
     q, k = l2_normalize(q), l2_normalize(k)
     g = softplus_gate(z, a_log, dt_bias) if lower_bound is None else bounded_gate(z, a_log, dt_bias, lower_bound)
     beta = jax.nn.sigmoid(beta_logits.astype(jnp.float32))
     if valid is not None:
         g = jnp.where(valid[:, :, None, None], g, 0.0)
         beta = jnp.where(valid[:, :, None], beta, 0.0)
+    return q, k, g, beta
+
+
+def gated_kda(q: Array, k: Array, v: Array, z: Array, a_log: Array, dt_bias: Array, beta_logits: Array,
+              state: Array, lower_bound: float | None, valid: Array | None = None) -> tuple[Array, Array]:
+    """The KDA layer's core from its maps' outputs: ``gates``, then the chunked form for T > 1 or the
+    recurrence for T = 1.
+
+    q, k, z [B, T, H, K]; v [B, T, H, V]; a_log [H]; dt_bias [H, K]; beta_logits [B, T, H]; state
+    [B, H, K, V] float32; valid [B, T] marks real tokens. Returns (o float32 [B, T, H, V], state)."""
+    q, k, g, beta = gates(q, k, z, a_log, dt_bias, beta_logits, lower_bound, valid)
     if q.shape[1] == 1:
         return recurrent_kda(q, k, v, g, beta, state)
     return chunk_kda(q, k, v, g, beta, state)
 
 
-__all__ = ["TILE", "gated_kda", "l2_normalize", "bounded_gate", "softplus_gate", "recurrent_kda", "step_kda", "chunk_kda"]
+__all__ = ["TILE", "gates", "gated_kda", "l2_normalize", "bounded_gate", "softplus_gate", "recurrent_kda", "step_kda", "chunk_kda"]

@@ -31,8 +31,6 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from k3jax.functional import conv as conv_reference
-from k3jax.functional import kda as kda_reference
 from k3jax.functional.conv import input_states, last_inputs
 from k3jax.implementation import current
 from pallas_kernels._mosaic_gpu import interpret_argument
@@ -75,7 +73,7 @@ def gated_kda(q, k, v, z, a_log, dt_bias, beta_logits, state, lower_bound: float
     z = beta_logits = -inf, which give g = 0 and beta = 0); without it the gates are computed here
     and the decode kernel (any gate works there) or the reference's chunked form runs."""
     if current().name == "reference":
-        return kda_reference.gated_kda(q, k, v, z, a_log, dt_bias, beta_logits, state, lower_bound, valid)
+        return reference.gated_kda(q, k, v, z, a_log, dt_bias, beta_logits, state, lower_bound, valid)
     if lower_bound is not None:
         if valid is not None:
             z = jnp.where(valid[:, :, None, None], z, -jnp.inf)
@@ -86,13 +84,8 @@ def gated_kda(q, k, v, z, a_log, dt_bias, beta_logits, state, lower_bound: float
             return o[:, None], state
         return chunk_kda_fused(q, k, v, z, a_log, dt_bias, beta_logits, lower_bound, state)
     if q.shape[1] > 1:
-        return kda_reference.gated_kda(q, k, v, z, a_log, dt_bias, beta_logits, state, None, valid)
-    q, k = kda_reference.l2_normalize(q), kda_reference.l2_normalize(k)
-    g = kda_reference.softplus_gate(z, a_log, dt_bias)
-    beta = jax.nn.sigmoid(beta_logits.astype(jnp.float32))
-    if valid is not None:
-        g = jnp.where(valid[:, :, None, None], g, 0.0)
-        beta = jnp.where(valid[:, :, None], beta, 0.0)
+        return reference.gated_kda(q, k, v, z, a_log, dt_bias, beta_logits, state, None, valid)
+    q, k, g, beta = reference.gates(q, k, z, a_log, dt_bias, beta_logits, None, valid)
     o, state = step_kda(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state)
     return o[:, None], state
 
@@ -104,12 +97,12 @@ def short_convs(xs, taps, state, lengths=None):
     after them by XLA)."""
     choice = current()
     if choice.name == "reference" or on_tpu():
-        return conv_reference.short_convs(xs, taps, state, lengths)
+        return reference.short_convs(xs, taps, state, lengths)
     if xs[0].shape[1] == 1 and lengths is None:
         ys, state = conv_silu_step([x[:, 0] for x in xs], taps, state)
         return (*(y[:, None] for y in ys), state)
     if not choice.policy.conv_kernel_at_prefill:
-        return conv_reference.short_convs(xs, taps, state, lengths)
+        return reference.short_convs(xs, taps, state, lengths)
     states = [last_inputs(x.astype(jnp.float32), s, lengths) for x, s in zip(xs, input_states(xs, state))]
     return (*conv_silu_chunk(xs, taps, state), jnp.concatenate(states, axis=-1))
 

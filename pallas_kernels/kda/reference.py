@@ -7,17 +7,14 @@ Fused inputs (what the KDA layer has before its gates): raw q, k [B, T, H, K] (n
 
 from __future__ import annotations
 
-import jax
-
 from k3jax.functional.conv import short_convs
-from k3jax.functional.kda import bounded_gate, chunk_kda, gated_kda, l2_normalize, recurrent_kda, step_kda
+from k3jax.functional.kda import chunk_kda, gated_kda, gates, recurrent_kda, step_kda
 
 
 def fused_inputs(q, k, z, a_log, dt_bias, beta_logits, lower_bound):
     """(q, k, g, beta) of the plain contract from the fused inputs: L2 norms, K3's bounded gate,
     sigmoid of beta. All float32."""
-    g = bounded_gate(z, a_log, dt_bias, lower_bound)
-    return l2_normalize(q), l2_normalize(k), g, jax.nn.sigmoid(beta_logits.astype("float32"))
+    return gates(q, k, z, a_log, dt_bias, beta_logits, lower_bound)
 
 
 def chunk_kda_fused(q, k, v, z, a_log, dt_bias, beta_logits, lower_bound=-5.0,
@@ -27,4 +24,4 @@ def chunk_kda_fused(q, k, v, z, a_log, dt_bias, beta_logits, lower_bound=-5.0,
     return chunk_kda(q, k, v, g, beta, initial_state, scale)
 
 
-__all__ = ["gated_kda", "short_convs", "chunk_kda", "recurrent_kda", "step_kda", "fused_inputs", "chunk_kda_fused"]
+__all__ = ["gated_kda", "gates", "short_convs", "chunk_kda", "recurrent_kda", "step_kda", "fused_inputs", "chunk_kda_fused"]

@@ -77,11 +77,13 @@ def _grouped_matmul(x: Array, w: Array | MXTensor, group_sizes: Array) -> Array:
     return reference.stored_grouped_matmul(x, w, group_sizes)
 
 
-def _local_moe(act, bm: int | None):
-    """The routed experts over chosen pairs, ``moe_sorted``'s contract: tiled in tiles of ``bm`` pairs, or sorted."""
+def _local_moe(act, bm: int | None, pallas: bool):
+    """The routed experts over chosen pairs, ``moe_sorted``'s contract: tiled in tiles of ``bm`` pairs, or
+    sorted (its grouped products by the MX kernel on the Pallas path, by the reference's otherwise)."""
     if bm is not None:
         return functools.partial(tiled_moe_mx, act=act, bm=bm, interpret=_platform.interpret())
-    return functools.partial(reference.moe_sorted, act=act, matmul=_grouped_matmul)
+    matmul = _grouped_matmul if pallas else reference.stored_grouped_matmul
+    return functools.partial(reference.moe_sorted, act=act, matmul=matmul)
 
 
 def routed_experts(x: Array, logits: Array, correction_bias: Array, w1, w3, w2, act, k: int, renormalize: bool,
@@ -103,15 +105,12 @@ def routed_experts(x: Array, logits: Array, correction_bias: Array, w1, w3, w2, 
                                        scaling_factor=scaling_factor, out_dtype=out_dtype)
         weights, experts = select_experts(logits, correction_bias, k, renormalize, scaling_factor)
         return fused_moe_mx_split(x, w1, w3, w2, weights, experts, act, out_dtype=out_dtype)
-    if not pallas:
-        return reference.moe_expert_parallel(
-            x, w1, w3, w2, *reference.select_experts(logits, correction_bias, k, renormalize, scaling_factor),
-            functools.partial(reference.moe_sorted, act=act, matmul=reference.stored_grouped_matmul), mesh)
     weights, experts = select_experts(logits, correction_bias, k, renormalize, scaling_factor)
+    local = _local_moe(act, bm, pallas)
     if mesh is not None:
-        return reference.moe_expert_parallel(x, w1, w3, w2, weights, experts, _local_moe(act, bm), mesh)
+        return reference.moe_expert_parallel(x, w1, w3, w2, weights, experts, local, mesh)
     if dispatch == "sorted":
-        return _local_moe(act, bm)(x, w1, w3, w2, weights, experts)
+        return local(x, w1, w3, w2, weights, experts)
     w1, w3, w2 = (w.decode(x.dtype) if isinstance(w, MXTensor) else w for w in (w1, w3, w2))
     return reference.moe_dense(x, w1, w3, w2, weights, experts, act)
 

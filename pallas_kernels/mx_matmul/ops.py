@@ -25,7 +25,6 @@ kernels on a TPU and Triton elsewhere.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
