@@ -2,12 +2,14 @@
 
     k3jax generate [--model PATH | --preset NAME] [--prompt TEXT] [--max-tokens N] [sampling flags] [--stream]
                    [--progress | --no-progress] [--prefill-chunk N] [--steps-per-call N] [--deterministic]
+    k3jax train [--out FOLDER] [--preset NAME] [--steps N] ...   (every ``TrainConfig`` field is a flag)
     k3jax memory [--config NAME] [--context N] [--batch N]
     k3jax info [--config NAME]
     k3jax convert ...            (see ``k3jax convert --help``)
 
-With no model path, ``generate`` runs the embedded default: the ``tiny`` preset (every K3 feature,
-toy widths) with random weights and the byte-level tokenizer.
+With no model, ``generate`` runs the embedded default: ``nano`` (every K3 mechanism, 10.6M parameters)
+trained on the King James Bible, shipped in ``k3jax/data/nano`` with routed experts in MXFP4, and the
+byte-level tokenizer. ``--preset`` builds a preset with random weights instead.
 
 Every flag is checked right after parsing, before any model is built. A user error (a bad flag, a checkpoint
 or tokenizer that does not load, a prompt the model cannot read) is one line on stderr, ``k3jax COMMAND: error:
@@ -32,8 +34,10 @@ from k3jax.config import ConfigError
 from k3jax.inference import DEFAULT_PREFILL_CHUNK, DEFAULT_STEPS_PER_CALL
 from k3jax.presets import PRESETS, preset
 from k3jax.tokenizer import TokenizerError
+from k3jax.train_cli import add_parser as add_train_parser
 
-DEFAULT_PRESET = "tiny"
+SHIPPED_MODEL = Path(__file__).parent / "data" / "nano"
+DEFAULT_PROMPT = "And it came to pass, when the king"
 
 
 class CommandError(Exception):
@@ -104,15 +108,16 @@ def _check_memory(args: argparse.Namespace) -> None:
 
 
 def _model(args: argparse.Namespace):
-    """The checkpoint of ``--model``, or the ``--preset`` with random weights (seeded by ``--seed``)."""
+    """The checkpoint of ``--model``, the ``--preset`` with random weights (seeded by ``--seed``), or by
+    default the shipped trained ``nano``."""
     from flax import nnx
 
     from k3jax.checkpoint import load
     from k3jax.model import K3Model
 
-    if args.model is None:
-        return K3Model(preset(args.preset or DEFAULT_PRESET), rngs=nnx.Rngs(args.seed))
-    return load(args.model, verify=args.verify)
+    if args.preset is not None:
+        return K3Model(preset(args.preset), rngs=nnx.Rngs(args.seed))
+    return load(args.model or SHIPPED_MODEL, verify=args.verify)
 
 
 def _prompt_ids(args: argparse.Namespace, tokenizer, vocab_size: int) -> list[int]:
@@ -137,7 +142,8 @@ def _generate(args: argparse.Namespace) -> int:
     eos = model.cfg.extra.get("eos_token_id", tokenizer.eos_id)
     generator = Generator(model, max_len=len(prompt) + args.max_tokens, prefill_chunk=args.prefill_chunk,
                           steps_per_call=args.steps_per_call, deterministic=args.deterministic)
-    source = "random weights" if args.model is None else args.model
+    source = ("random weights" if args.preset is not None else args.model if args.model is not None
+              else "trained on the King James Bible, shipped")
     print(f"[{model.cfg.name}: {model.cfg.num_layers} layers, {source}; ready in {time.perf_counter() - start:.1f} s]",
           file=sys.stderr)
     progress = _progress(args)
@@ -202,16 +208,17 @@ def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="k3jax", description="Kimi K3 in JAX: generate, convert, inspect.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help=f"generate text (default: the embedded {DEFAULT_PRESET} random model)")
+    gen = sub.add_parser("generate", help="generate text (default: the shipped nano, trained on the King James Bible)")
     source = gen.add_mutually_exclusive_group()
-    source.add_argument("--model", default=None, help="checkpoint folder (k3jax or released safetensors)")
-    source.add_argument("--preset", default=None, choices=sorted(PRESETS),
-                        help=f"a preset with random weights (default: {DEFAULT_PRESET})")
+    source.add_argument("--model", default=None, help="checkpoint folder (k3jax or released safetensors; default: "
+                        "the shipped nano)")
+    source.add_argument("--preset", default=None, choices=sorted(PRESETS), help="a preset with random weights")
     gen.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
                      help="check every array of a k3jax --model against its CRC-32 as it loads (default: on; it adds "
                      "about a tenth to the load)")
-    gen.add_argument("--prompt", default="Kimi K3 in JAX: ")
-    gen.add_argument("--max-tokens", type=int, default=32, help="new tokens at most (default: 32)")
+    gen.add_argument("--prompt", default=DEFAULT_PROMPT, help="the text to continue (default: %(default)r)")
+    gen.add_argument("--max-tokens", type=int, default=200, help="new tokens at most (default: %(default)s; the "
+                     "shipped nano's tokens are bytes)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=0, help="0 = off")
     gen.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
@@ -231,6 +238,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="on a GPU, the same tokens in every process for a seed, not only within one (slower: "
                      "k3jax.inference.DETERMINISTIC_GPU_OPTIONS)")
     gen.set_defaults(func=_generate, check_flags=_check_generate)
+
+    add_train_parser(sub)
 
     mem = sub.add_parser("memory", help="memory for weights and caches at a context length")
     mem.add_argument("--config", default="kimi-k3", choices=sorted(PRESETS))

@@ -42,11 +42,30 @@ class MixWeights(NamedTuple):
     output: Array
 
 
+class LayerStats(NamedTuple):
+    """What ``K3Model.inspect`` reads in each layer: expert_load [E] (top-k picks per expert over the
+    batch's tokens; zeros in a dense layer) and retention [H*K] (KDA: the mean over tokens of exp(g),
+    the fraction of its state each channel keeps per token; zeros in an MLA layer)."""
+
+    expert_load: Array
+    retention: Array
+
+
+class Inspection(NamedTuple):
+    """``K3Model.inspect``'s result: logits [B, T, V] float32, the Block AttnRes ``MixWeights`` (None
+    without AttnRes) and ``LayerStats`` stacked over layers ([L, E] and [L, H*K])."""
+
+    logits: Array
+    mix: "MixWeights | None"
+    stats: LayerStats
+
+
 class DecoderLayer(nnx.Module):
     """One layer: attention (KDA or MLA) and feed-forward (dense MLP or MoE), each pre-normed."""
 
     def __init__(self, cfg: K3Config, layer: int, *, rngs: Rngs, param_dtype=jnp.float32, packed_experts=False):
         d, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.cfg = cfg
         self.input_layernorm = RMSNorm(d, eps, param_dtype=param_dtype)
         self.post_attention_layernorm = RMSNorm(d, eps, param_dtype=param_dtype)
         if cfg.layer_types[layer] == "kda":
@@ -63,25 +82,32 @@ class DecoderLayer(nnx.Module):
             self.self_attention_res = AttnRes(d, eps, param_dtype=param_dtype)
             self.mlp_res = AttnRes(d, eps, param_dtype=param_dtype)
 
-    def attention(self, h: Array, cache=None, ctx: "Positions | None" = None, residual: Array | None = None):
+    def attention(self, h: Array, cache=None, ctx: "Positions | None" = None, residual: Array | None = None,
+                  stats: bool = False):
         """Attention of the normed input, plus ``residual`` when given; with a cache (``ctx`` given) it
-        continues the sequence. Returns (output, cache)."""
+        continues the sequence. Returns (output, cache), and with ``stats`` the KDA retention [H*K]
+        (zeros for MLA) third."""
         kda = isinstance(self.self_attn, KDA)
         with jax.named_scope("kda" if kda else "mla"):  # names the kernels in profiles
             norm = self.input_layernorm
             if kda:
-                return self.self_attn(h, cache, None if ctx is None else ctx.valid, norm=norm, residual=residual)
+                return self.self_attn(h, cache, None if ctx is None else ctx.valid, norm=norm, residual=residual,
+                                      stats=stats)
             if ctx is None:
-                return self.self_attn(h, norm=norm, residual=residual), None
-            return self.self_attn.extend(h, cache, ctx.start, ctx.window, norm=norm, residual=residual)
+                out = self.self_attn(h, norm=norm, residual=residual), None
+            else:
+                out = self.self_attn.extend(h, cache, ctx.start, ctx.window, norm=norm, residual=residual)
+            return (*out, jnp.zeros((self.cfg.kda.num_heads * self.cfg.kda.head_dim,), jnp.float32)) if stats else out
 
-    def ffn(self, h: Array, residual: Array | None = None) -> Array:
+    def ffn(self, h: Array, residual: Array | None = None, stats: bool = False):
         """The feed-forward of the normed input, plus ``residual`` when given (added by the last
-        projection's kernel where ``project`` takes it)."""
+        projection's kernel where ``project`` takes it); with ``stats``, (output, expert load [E])."""
         moe = hasattr(self, "block_sparse_moe")
         with jax.named_scope("moe" if moe else "mlp"):
-            ffn = self.block_sparse_moe if moe else self.mlp
-            return ffn(h, norm=self.post_attention_layernorm, residual=residual)
+            if moe:
+                return self.block_sparse_moe(h, norm=self.post_attention_layernorm, residual=residual, stats=stats)
+            out = self.mlp(h, norm=self.post_attention_layernorm, residual=residual)
+            return (out, jnp.zeros((self.cfg.moe.num_experts,), jnp.float32)) if stats else out
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
         """KDA: conv inputs and the float32 state; MLA: the latent cache of max_len positions."""
@@ -89,25 +115,38 @@ class DecoderLayer(nnx.Module):
             return self.self_attn.initial_state(batch)
         return self.self_attn.init_cache(batch, max_len, dtype)
 
-    def residual(self, x: Array, cache=None, ctx=None):
-        """Kimi Linear's plain residual. Returns (x, no mixing weights, cache)."""
-        x, cache = self.attention(x, cache, ctx, residual=x)
-        return self.ffn(x, residual=x), jnp.zeros((), x.dtype), cache
+    def residual(self, x: Array, cache=None, ctx=None, stats: bool = False):
+        """Kimi Linear's plain residual. Returns (x, no mixing weights, cache); with ``stats`` the middle
+        entry is (no mixing weights, ``LayerStats``)."""
+        x, cache, *retention = self.attention(x, cache, ctx, residual=x, stats=stats)
+        x, *load = _split(self.ffn(x, residual=x, stats=stats), stats)
+        mix = jnp.zeros((), x.dtype)
+        return x, (mix, LayerStats(load[0], retention[0])) if stats else mix, cache
 
-    def attn_res(self, carry: tuple[Array, Array, Array], commit: "bool | Array", cache=None, ctx=None):
+    def attn_res(self, carry: tuple[Array, Array, Array], commit: "bool | Array", cache=None, ctx=None,
+                 stats: bool = False):
         """K3's Block AttnRes step. carry = (blocks [N, B, T, D], n_blocks, x); ``commit`` (a Python
         bool for unrolled layers, a traced one in a scan) says this layer starts a block. Returns the
-        new carry, the two mixes' weights [2, N+1, B, T] and the layer's cache."""
+        new carry, the two mixes' weights [2, N+1, B, T] (with ``stats``: and the ``LayerStats``) and
+        the layer's cache."""
         blocks, n, partial = carry
         h = self.self_attention_res.deferred(blocks, n, partial)  # computed by its reader (``project``)
         with jax.named_scope("attn_res"):
             w_attn = h.weights()
         blocks, n = _store_block(blocks, n, partial, commit)
-        partial, cache = self.attention(h, cache, ctx, residual=_kept_partial(partial, commit))
+        partial, cache, *retention = self.attention(h, cache, ctx, residual=_kept_partial(partial, commit),
+                                                    stats=stats)
         h = self.mlp_res.deferred(blocks, n, partial)
         with jax.named_scope("attn_res"):
             w_mlp = h.weights()
-        return (blocks, n, self.ffn(h, residual=partial)), jnp.stack([w_attn, w_mlp]), cache
+        x, *load = _split(self.ffn(h, residual=partial, stats=stats), stats)
+        mix = jnp.stack([w_attn, w_mlp])
+        return (blocks, n, x), (mix, LayerStats(load[0], retention[0])) if stats else mix, cache
+
+
+def _split(out, stats: bool) -> tuple:
+    """A feed-forward's result as a tuple: (y,) or, with ``stats``, (y, expert load)."""
+    return out if stats else (out,)
 
 
 def _kept_partial(partial: Array, commit: "bool | Array") -> Array | None:
@@ -127,6 +166,11 @@ def _store_block(blocks: Array, n: Array, partial: Array, commit) -> tuple[Array
     slot = jax.lax.dynamic_index_in_dim(blocks, n, axis=0, keepdims=False)
     blocks = jax.lax.dynamic_update_index_in_dim(blocks, jnp.where(commit, partial, slot), n, axis=0)
     return blocks, n + commit.astype(n.dtype)
+
+
+def _stack(ys: list):
+    """Per-layer outputs (arrays or pytrees of them) stacked on a new leading axis."""
+    return jax.tree.map(lambda *a: jnp.stack(a), *ys)
 
 
 def _token_at(x: Array, index: Array) -> Array:
@@ -199,7 +243,7 @@ class K3Model(nnx.Module):
                 carry, y, c = step(self.layers[start + p], carry, start + p, caches[p])
                 ys.append(y)
                 new_caches.append(c)
-            return carry, jnp.stack(ys), new_caches
+            return carry, _stack(ys), new_caches
         graphs, stacks = [], []
         for p in range(size):
             split = [nnx.split(self.layers[start + r * size + p]) for r in range(repeats)]
@@ -213,11 +257,11 @@ class K3Model(nnx.Module):
                 carry, y, c = step(nnx.merge(graphs[p], states[p]), carry, first + p, layer_caches[p])
                 ys.append(y)
                 new_caches.append(c)
-            return carry, (jnp.stack(ys), new_caches)
+            return carry, (_stack(ys), new_caches)
 
         firsts = jnp.arange(start, start + size * repeats, size, dtype=jnp.int32)
         carry, (ys, new_caches) = jax.lax.scan(body, carry, (firsts, stacks, caches))
-        return carry, ys.reshape(repeats * size, *ys.shape[2:]), new_caches
+        return carry, jax.tree.map(lambda y: y.reshape(repeats * size, *y.shape[2:]), ys), new_caches
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32, scan_layers: bool = True) -> list:
         """An empty inference cache: per layer group, per position in the group, stacked over the
@@ -233,7 +277,7 @@ class K3Model(nnx.Module):
 
     def _forward(
         self, tokens: Array, cache: list | None, ctx: Positions | None, scan_layers: bool = True,
-        logits_at: Array | None = None, head: bool = True,
+        logits_at: Array | None = None, head: bool = True, stats: bool = False,
     ):
         cfg = self.cfg
         x = self.embed_tokens(tokens)
@@ -241,10 +285,10 @@ class K3Model(nnx.Module):
         if block:
             blocks = jnp.zeros((-(-cfg.num_layers // block), *x.shape), x.dtype)
             carry = (blocks, jnp.asarray(0, jnp.int32), x)
-            step = lambda layer, c, i, lc: layer.attn_res(c, i % block == 0, lc, ctx)
+            step = lambda layer, c, i, lc: layer.attn_res(c, i % block == 0, lc, ctx, stats)
         else:
             carry = x
-            step = lambda layer, c, i, lc: layer.residual(c, lc, ctx)
+            step = lambda layer, c, i, lc: layer.residual(c, lc, ctx, stats)
         weights, new_cache = [], []
         for g, run in enumerate(layer_groups(cfg, scan_layers)):
             caches = cache[g] if cache is not None else [None] * run[1]
@@ -260,7 +304,11 @@ class K3Model(nnx.Module):
                 x, out_weights = self.output_attn_res(blocks, n, partial)
         else:
             x = carry if logits_at is None else _token_at(carry, logits_at)
-        mix = MixWeights(jnp.concatenate(weights), out_weights) if block else None
+        ys = jax.tree.map(lambda *a: jnp.concatenate(a), *weights)
+        weights, layer_stats = ys if stats else (ys, None)
+        mix = MixWeights(weights, out_weights) if block else None
+        if stats:
+            mix = (mix, layer_stats)
         return (self.logits(x) if head else x), mix, new_cache
 
     def logits(self, x: Array) -> Array:
@@ -283,6 +331,14 @@ class K3Model(nnx.Module):
             raise ValueError("return_mix_weights: this model has no Block AttnRes (attn_res_block_size is unset)")
         return logits, mix
 
+    def inspect(self, tokens: Array, scan_layers: bool = True) -> Inspection:
+        """The full forward of tokens [B, T] with what it reads inside: the logits, the AttnRes mixing
+        weights and each layer's ``LayerStats`` (expert load, KDA retention). Training reads the expert
+        load for the router's bias update; the research notebooks read all three."""
+        tokens = ids("tokens", tokens, self.cfg.vocab_size, ("B", "T"))
+        logits, (mix, stats), _ = self._forward(tokens, None, None, scan_layers, stats=True)
+        return Inspection(logits, mix, stats)
+
     def extend(
         self, tokens: Array, cache: list, start: Array, lengths: Array | None, scan_layers: bool = True,
         logits_at: Array | None = None, window: int | None = None, head: bool = True,
@@ -300,4 +356,4 @@ class K3Model(nnx.Module):
         return out, cache
 
 
-__all__ = ["K3Model", "DecoderLayer", "MixWeights", "Positions", "layer_groups"]
+__all__ = ["K3Model", "DecoderLayer", "Inspection", "LayerStats", "MixWeights", "Positions", "layer_groups"]

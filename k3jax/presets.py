@@ -161,6 +161,18 @@ TINY_LINEAR = _small(
     bos_token_id=256, eos_token_id=257,
 )
 
+# The shipped trained model (k3jax/data/nano): every K3 mechanism at about 10.8M parameters (5.1M active),
+# byte-level (ids 0-255 bytes, 256 BOS, 257 EOS; the vocabulary is padded to 320 as tiny's), KDA:MLA 3:1,
+# AttnRes blocks of 2 layers (4 blocks), 8 latent routed experts (top 2) and a shared one.
+NANO = _small(
+    KIMI_K3,
+    vocab_size=320, hidden_size=256, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=4,
+    q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+    linear_attn_config={"num_heads": 4, "head_dim": 64, "full_attn_layers": [4, 8], "kda_layers": [1, 2, 3, 5, 6, 7]},
+    num_experts=8, num_experts_per_token=2, num_shared_experts=1, moe_intermediate_size=256,
+    routed_expert_hidden_size=128, intermediate_size=768, attn_res_block_size=2, bos_token_id=256, eos_token_id=257,
+)
+
 # About 2.6B parameters with the real head dims (KDA 128, MLA 192/128), for GPU benchmarks.
 MINI = _small(
     KIMI_K3,
@@ -176,6 +188,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny": TINY,
     "tiny_linear": TINY_LINEAR,
     "mini": MINI,
+    "nano": NANO,
 }
 
 
@@ -187,8 +200,8 @@ def preset_hf_config(name: str) -> dict[str, Any]:
 
 
 def preset(name: str) -> K3Config:
-    """The ``K3Config`` of a preset: 'kimi-k3', 'kimi-linear-48b', 'tiny', 'tiny_linear' or 'mini'."""
+    """The ``K3Config`` of a preset: 'kimi-k3', 'kimi-linear-48b', 'tiny', 'tiny_linear', 'nano' or 'mini'."""
     return from_hf_config(preset_hf_config(name), name=name)
 
 
-__all__ = ["KIMI_K3", "KIMI_LINEAR_48B", "TINY", "TINY_LINEAR", "MINI", "PRESETS", "preset", "preset_hf_config"]
+__all__ = ["KIMI_K3", "KIMI_LINEAR_48B", "TINY", "TINY_LINEAR", "MINI", "NANO", "PRESETS", "preset", "preset_hf_config"]

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import KDAConfig
+from k3jax.functional.kda import bounded_gate, softplus_gate
 from k3jax.functional.norms import gated_rms_norm
 from k3jax.layers.basic import Linear, RMSNorm, Rngs, norm_params, normal
 from k3jax.typing import Array
@@ -64,11 +65,12 @@ class KDA(nnx.Module):
 
     def __call__(
         self, x: Array, state: KDAState | None = None, valid: Array | None = None, norm: RMSNorm | None = None,
-        residual: Array | None = None,
+        residual: Array | None = None, stats: bool = False,
     ) -> tuple[Array, KDAState]:
         """x [B, T, D] (RMS-normed by ``norm`` first, when given) -> (out [B, T, D], plus ``residual`` when
         given; state after the tokens). ``valid`` [B, T] marks real tokens (a prefix of each row; the rest
-        is right padding that leaves the state untouched)."""
+        is right padding that leaves the state untouched). ``stats`` adds a third result, the retention
+        [H*K]: exp(g) per channel, averaged over the real tokens."""
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         state = self.initial_state(B) if state is None else state
@@ -85,7 +87,18 @@ class KDA(nnx.Module):
         gate = gate if hasattr(self, "g_proj") else self.g_b_proj(gate)
         o = gated_rms_norm(o, heads(gate), self.o_norm.weight[...], self.eps).astype(x.dtype)
         add = () if residual is None else (residual,)
-        return project(o.reshape(B, T, H * K), [self.o_proj.weight[...]], add=add)[0], KDAState(conv, rec)
+        out = project(o.reshape(B, T, H * K), [self.o_proj.weight[...]], add=add)[0], KDAState(conv, rec)
+        return (*out, self._retention(z, valid)) if stats else out
+
+    def _retention(self, z: Array, valid: Array | None) -> Array:
+        """exp(g) [H*K] averaged over the real tokens of z [B, T, H, K]."""
+        H, K = self.num_heads, self.head_dim
+        dt_bias = self.dt_bias[...].reshape(H, K)
+        g = (softplus_gate(z, self.A_log[...], dt_bias) if self.lower_bound is None
+             else bounded_gate(z, self.A_log[...], dt_bias, self.lower_bound))
+        weight = jnp.ones(z.shape[:2], jnp.float32) if valid is None else valid.astype(jnp.float32)
+        kept = jnp.einsum("bt,btc->c", weight, jnp.exp(g).reshape(*z.shape[:2], H * K))
+        return jax.lax.stop_gradient(kept / jnp.maximum(weight.sum(), 1.0))
 
 
 __all__ = ["KDA", "KDAState", "ShortConv"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -92,10 +93,10 @@ class MoE(nnx.Module):
             return logits, rest[0], rest[1:]
         return logits, x, rest
 
-    def __call__(self, x: Array, norm: RMSNorm | None = None, residual: Array | None = None) -> Array:
+    def __call__(self, x: Array, norm: RMSNorm | None = None, residual: Array | None = None, stats: bool = False):
         """x [B, T, D] (RMS-normed by ``norm`` first, when given) -> [B, T, D], plus ``residual`` when
         given: routed + shared + residual, each sum rounded (with a latent, added by the up projection:
-        ``project``'s ``add``)."""
+        ``project``'s ``add``). ``stats``: (output, expert load [E] float32, the top-k picks per expert)."""
         B, T, D = x.shape
         cfg = self.cfg
         logits, z, shared = self._inputs(x.reshape(B * T, D), norm)
@@ -111,7 +112,16 @@ class MoE(nnx.Module):
             y = project(y, [self.routed_expert_up_proj.weight[...]], norm=norm, read_as=z.dtype, add=add)[0]
         else:
             y = add_rounded(y, add)
-        return y.reshape(B, T, D)
+        y = y.reshape(B, T, D)
+        return (y, self._load(logits)) if stats else y
+
+    def _load(self, logits: Array) -> Array:
+        """How many of the tokens' top-k picks went to each expert: [E] float32, no gradient."""
+        cfg = self.cfg
+        _, experts = select_experts(logits, self.gate.e_score_correction_bias[...], cfg.experts_per_token,
+                                    cfg.renormalize, cfg.routed_scaling_factor)
+        load = jnp.zeros((cfg.num_experts,), jnp.float32).at[experts.reshape(-1)].add(1.0)
+        return jax.lax.stop_gradient(load)
 
 
 __all__ = ["MoE", "Router", "Experts", "Dispatch"]
