@@ -161,7 +161,7 @@ TINY_LINEAR = _small(
     bos_token_id=256, eos_token_id=257,
 )
 
-# The shipped trained model (k3jax/data/nano): every K3 mechanism at about 10.8M parameters (5.1M active),
+# The shipped trained model (k3jax/data/nano): every K3 mechanism at 10.6M parameters (6.4M active, head included),
 # byte-level (ids 0-255 bytes, 256 BOS, 257 EOS; the vocabulary is padded to 320 as tiny's), KDA:MLA 3:1,
 # AttnRes blocks of 2 layers (4 blocks), 8 latent routed experts (top 2) and a shared one.
 NANO = _small(
@@ -172,6 +172,12 @@ NANO = _small(
     num_experts=8, num_experts_per_token=2, num_shared_experts=1, moe_intermediate_size=256,
     routed_expert_hidden_size=128, intermediate_size=768, attn_res_block_size=2, bos_token_id=256, eos_token_id=257,
 )
+
+# nano's ablations (notebooks/training_and_ablation.ipynb): plain residuals instead of Block AttnRes, and
+# Kimi Linear's unbounded softplus gate instead of K3's bounded one.
+NANO_PLAIN_RESIDUAL = _small(NANO, attn_res_block_size=0)
+NANO_SOFTPLUS_GATE = copy.deepcopy(NANO)
+del NANO_SOFTPLUS_GATE["text_config"]["linear_attn_config"]["gate_lower_bound"]
 
 # About 2.6B parameters with the real head dims (KDA 128, MLA 192/128), for GPU benchmarks.
 MINI = _small(
@@ -189,6 +195,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny_linear": TINY_LINEAR,
     "mini": MINI,
     "nano": NANO,
+    "nano_plain_residual": NANO_PLAIN_RESIDUAL,
+    "nano_softplus_gate": NANO_SOFTPLUS_GATE,
 }
 
 
@@ -204,4 +212,4 @@ def preset(name: str) -> K3Config:
     return from_hf_config(preset_hf_config(name), name=name)
 
 
-__all__ = ["KIMI_K3", "KIMI_LINEAR_48B", "TINY", "TINY_LINEAR", "MINI", "NANO", "PRESETS", "preset", "preset_hf_config"]
+__all__ = ["KIMI_K3", "KIMI_LINEAR_48B", "TINY", "TINY_LINEAR", "MINI", "NANO", "NANO_PLAIN_RESIDUAL", "NANO_SOFTPLUS_GATE", "PRESETS", "preset", "preset_hf_config"]

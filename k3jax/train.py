@@ -23,6 +23,7 @@ batches, same updates) as if it had never stopped.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -107,11 +108,12 @@ def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
 
 def init_state(cfg: TrainConfig, model_cfg: K3Config | None = None) -> dict[str, Any]:
     """A fresh train state: float32 params (seeded by ``cfg.seed``), optimizer state, step 0, position 0,
-    the RNG key's data."""
+    the RNG key's data; placed on the default device as a restored state is (so both meet one compiled step)."""
     model = K3Model(model_cfg or preset(cfg.preset), rngs=nnx.Rngs(cfg.seed), packed_experts=False)
     params = nnx.to_pure_dict(nnx.state(model))
-    return {"params": params, "opt_state": optimizer(cfg).init(params), "step": jnp.zeros((), jnp.int32),
-            "position": jnp.zeros((), jnp.int32), "rng": jax.random.key_data(jax.random.key(cfg.seed))}
+    state = {"params": params, "opt_state": optimizer(cfg).init(params), "step": jnp.zeros((), jnp.int32),
+             "position": jnp.zeros((), jnp.int32), "rng": jax.random.key_data(jax.random.key(cfg.seed))}
+    return jax.device_put(state, jax.devices()[0])
 
 
 class Trainer:
@@ -160,7 +162,7 @@ class Trainer:
         params = balance_router_bias(optax.apply_updates(params, updates), parts.load, self.cfg.router_bias_rate)
         moe = parts.load.sum(axis=1) > 0
         imbalance = jnp.max(parts.load, axis=1) / jnp.maximum(jnp.mean(parts.load, axis=1), 1e-9)
-        metrics = {"loss": parts.nll / count, "grad_norm": optax.global_norm(grads),
+        metrics = {"loss": parts.nll / count, "grad_norm": optax.tree.norm(grads),
                    "learning_rate": schedule(self.cfg)(state["step"]),
                    "expert_load_max_over_mean": jnp.max(jnp.where(moe, imbalance, 0.0))}
         new = {"params": params, "opt_state": opt_state, "step": state["step"] + 1,
@@ -176,6 +178,13 @@ class Trainer:
     def evaluate(self, params: Params, data: bytes) -> dict[str, float]:
         """Mean held-out nats per byte and bits per byte over ``data``."""
         return evaluate(lambda t, m: self.eval_step(params, t, m), data, self.cfg.seq_len, self.cfg.batch)
+
+
+@functools.lru_cache(maxsize=8)
+def trainer_for(cfg: TrainConfig) -> Trainer:
+    """The ``Trainer`` of a configuration, kept for the process: runs of one configuration (a resumed run, a
+    notebook's re-run) reuse its compiled steps."""
+    return Trainer(cfg)
 
 
 def evaluate(parts: Callable[[Any, Any], LossParts | tuple], data: bytes, seq_len: int, batch: int
@@ -260,7 +269,7 @@ def train(cfg: TrainConfig, out: str | Path, *, corpus: Corpus | None = None, st
     out.mkdir(parents=True, exist_ok=True)
     _remember_config(out, cfg)
     corpus = corpus or load_corpus()
-    trainer = Trainer(cfg)
+    trainer = trainer_for(cfg)
     windows = TrainWindows(corpus.train, cfg.seq_len, cfg.seed)
     checkpoints = Checkpoints(out / "checkpoints")
     state = init_state(cfg, trainer.model_cfg)
@@ -319,8 +328,9 @@ def _finish(cfg: TrainConfig, trainer: Trainer, params: Params, corpus: Corpus, 
 
 
 def export_model(cfg: TrainConfig, graphdef: nnx.GraphDef, params: Params, folder: Path) -> Path:
-    """The trained model as a released-layout folder: bf16 tensors, routed experts in MXFP4 (as K3 ships
-    them). Replaces ``folder`` if it exists."""
+    """The trained model as a released-layout folder in the released dtypes: routed experts in MXFP4,
+    A_log, dt_bias, conv weights and router biases float32, the rest bf16 (as K3 ships them). Replaces
+    ``folder`` if it exists."""
     import shutil
 
     from convert.export import export, model_params
@@ -330,7 +340,7 @@ def export_model(cfg: TrainConfig, graphdef: nnx.GraphDef, params: Params, folde
     values = {k: quantize_compiled(jnp.asarray(v)) if ".experts.w" in k else v for k, v in values.items()}
     if folder.exists():
         shutil.rmtree(folder)
-    return export(values, preset_hf_config(cfg.preset), folder, dtype="BF16")
+    return export(values, preset_hf_config(cfg.preset), folder)
 
 
 def _remember_config(out: Path, cfg: TrainConfig) -> None:
@@ -358,4 +368,4 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 
 
 __all__ = ["Checkpoints", "TrainConfig", "Trainer", "evaluate", "export_model", "init_state", "model_parts",
-           "optimizer", "read_metrics", "schedule", "train"]
+           "optimizer", "read_metrics", "schedule", "train", "trainer_for"]
