@@ -86,24 +86,30 @@ def test_accumulation_agrees_with_the_plain_step():
     assert abs(float(m2["loss"]) - float(m1["loss"])) < 1e-5 and accumulated < 1e-4
 
 
-def test_bfloat16_compute_gradients_are_the_float32_ones_rounded():
+def test_bfloat16_compute_gradient_descends_the_float32_loss():
+    """bf16 compute against float32 at initialisation: the losses agree to bf16 rounding, and a step along the
+    bf16 gradient lowers the float32 loss. (The gradients themselves differ by O(1): a bf16 forward flips
+    near-tied top-k router picks, and each flip changes a token's expert output wholesale.)"""
     cfg = preset("tiny_linear")
     graph = Trainer(SMALL).graphdef
     params = init_state(SMALL)["params"]
     tokens = jax.random.randint(jax.random.key(4), (4, 25), 0, 256)
     mask = jnp.ones((4, 24), jnp.float32)
     low = compute_dtypes(cfg, jnp.bfloat16)
+    loss = lambda p, dtypes: loss_parts(graph, p, tokens, mask, dtypes, False).nll / 96
 
     @jax.jit
-    def both(params):
-        grad = lambda dtypes: jax.grad(lambda p: loss_parts(graph, p, tokens, mask, dtypes, False).nll / 96)(params)
-        return grad(None), grad(low)
+    def check(params):
+        exact, (rounded, grad) = loss(params, None), jax.value_and_grad(loss)(params, low)
+        stepped = jax.tree.map(lambda p, g: p - 0.05 * g, params, grad)
+        return exact, rounded, loss(stepped, None), grad
 
-    exact, rounded = both(params)
-    assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(rounded))  # gradients of the float32 masters
-    error = _relative(rounded, exact)
-    print(f"bf16 compute: gradient {error:.2e} from float32")
-    assert error < 3e-2  # bf16's 8-bit mantissa through a 7-layer forward and backward
+    exact, rounded, after, grad = check(params)
+    assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grad))  # gradients of the float32 masters
+    print(f"loss: float32 {float(exact):.5f}, bf16 compute {float(rounded):.5f}; float32 loss after a step "
+          f"along the bf16 gradient {float(after):.5f}")
+    assert abs(float(rounded) - float(exact)) < 1e-2 * float(exact)
+    assert float(after) < float(exact) - 0.05
 
 
 def test_export_holds_the_trained_weights(tmp_path):
