@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.scipy.linalg import solve_triangular
 
 from k3jax.typing import Array
 
@@ -81,6 +80,22 @@ def step_kda(
     return o[:, 0], state
 
 
+def unit_lower_inverse(L: Array) -> Array:
+    """(I + L)^-1 for strictly lower-triangular L [..., C, C], by 2 x 2 blocks, recursively:
+    [[A, 0], [M, B]]^-1 = [[A^-1, 0], [-B^-1 M A^-1, B^-1]] (the Pallas kernels' form, and as stable as
+    forward substitution). Matrix products only: LAPACK's batched triangular solve (``solve_triangular``),
+    run twice at once in a train step's backward, deadlocks XLA's CPU thread pool on a 2-core machine
+    (jaxlib 0.10.2: both pool threads wait inside ``ParallelBatchMap`` for work neither can run)."""
+    n = L.shape[-1]
+    if n == 1:
+        return jnp.ones_like(L)
+    h = n // 2
+    A, B = unit_lower_inverse(L[..., :h, :h]), unit_lower_inverse(L[..., h:, h:])
+    M = -jnp.einsum("...ij,...jk,...kl->...il", B, L[..., h:, :h], A, precision=_HI)
+    top = jnp.concatenate([A, jnp.zeros((*L.shape[:-2], h, n - h), L.dtype)], axis=-1)
+    return jnp.concatenate([top, jnp.concatenate([M, B], axis=-1)], axis=-2)
+
+
 def _tile(q, k, v, g, beta, S):
     """One tile of C tokens (WY / UT transform). Inputs [B, H, C, *]; S [B, H, K, V]."""
     C = q.shape[2]
@@ -92,12 +107,10 @@ def _tile(q, k, v, g, beta, S):
     decay = jnp.exp(jnp.where(causal[:, :, None], diff, -jnp.inf))
     A_kk = jnp.einsum("bhik,bhjk,bhijk->bhij", k, k, decay, precision=_HI)
     A_kk = jnp.where(strict, A_kk * beta[..., None], 0.0)
-    eye = jnp.eye(C, dtype=jnp.float32)
-    # Tm = (I + A_kk)^-1 Diag(beta), applied by forward substitution (unit lower triangular).
-    rhs_w = beta[..., None] * (jnp.exp(G) * k)  # Diag(beta) exp(G) K
-    rhs_u = beta[..., None] * v
-    solve = lambda rhs: solve_triangular(A_kk + eye, rhs, lower=True, unit_diagonal=True)
-    W, U = solve(rhs_w), solve(rhs_u)
+    # Tm = (I + A_kk)^-1 Diag(beta): the unit lower-triangular inverse, then products.
+    inverse = unit_lower_inverse(A_kk)
+    W = jnp.einsum("bhij,bhjk->bhik", inverse, beta[..., None] * (jnp.exp(G) * k), precision=_HI)  # Diag(beta) exp(G) K
+    U = jnp.einsum("bhij,bhjv->bhiv", inverse, beta[..., None] * v, precision=_HI)
     V_new = U - jnp.einsum("bhck,bhkv->bhcv", W, S, precision=_HI)  # corrected values
     A_qk = jnp.einsum("bhik,bhjk,bhijk->bhij", q, k, decay, precision=_HI)
     o = jnp.einsum("bhck,bhkv->bhcv", q * jnp.exp(G), S, precision=_HI)
@@ -163,4 +176,4 @@ def gated_kda(q: Array, k: Array, v: Array, z: Array, a_log: Array, dt_bias: Arr
     return chunk_kda(q, k, v, g, beta, state)
 
 
-__all__ = ["TILE", "gates", "gated_kda", "l2_normalize", "bounded_gate", "softplus_gate", "recurrent_kda", "step_kda", "chunk_kda"]
+__all__ = ["TILE", "gates", "unit_lower_inverse", "gated_kda", "l2_normalize", "bounded_gate", "softplus_gate", "recurrent_kda", "step_kda", "chunk_kda"]
