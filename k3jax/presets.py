@@ -161,16 +161,16 @@ TINY_LINEAR = _small(
     bos_token_id=256, eos_token_id=257,
 )
 
-# The shipped trained model (k3jax/data/nano): every K3 mechanism at 10.6M parameters (6.4M active, head included),
-# byte-level (ids 0-255 bytes, 256 BOS, 257 EOS; the vocabulary is padded to 320 as tiny's), KDA:MLA 3:1,
-# AttnRes blocks of 2 layers (4 blocks), 8 latent routed experts (top 2) and a shared one.
+# The shipped trained model (k3jax/data/nano): every K3 mechanism at 6M parameters, byte-level (ids 0-255
+# bytes, 256 BOS, 257 EOS; the vocabulary padded to 320 as tiny's), KDA:MLA 3:1, AttnRes blocks of 2 layers
+# (4 blocks), 8 latent routed experts (top 2) and a shared one. Sized to train on a 2-core CPU in an hour.
 NANO = _small(
     KIMI_K3,
-    vocab_size=320, hidden_size=256, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=4,
-    q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
-    linear_attn_config={"num_heads": 4, "head_dim": 64, "full_attn_layers": [4, 8], "kda_layers": [1, 2, 3, 5, 6, 7]},
-    num_experts=8, num_experts_per_token=2, num_shared_experts=1, moe_intermediate_size=256,
-    routed_expert_hidden_size=128, intermediate_size=768, attn_res_block_size=2, bos_token_id=256, eos_token_id=257,
+    vocab_size=320, hidden_size=192, num_hidden_layers=8, num_attention_heads=3, num_key_value_heads=3,
+    q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+    linear_attn_config={"num_heads": 3, "head_dim": 64, "full_attn_layers": [4, 8], "kda_layers": [1, 2, 3, 5, 6, 7]},
+    num_experts=8, num_experts_per_token=2, num_shared_experts=1, moe_intermediate_size=192,
+    routed_expert_hidden_size=96, intermediate_size=512, attn_res_block_size=2, bos_token_id=256, eos_token_id=257,
 )
 
 # nano's ablations (notebooks/training_and_ablation.ipynb): plain residuals instead of Block AttnRes, and

@@ -56,12 +56,12 @@ class TrainConfig:
     """Everything a run depends on; the defaults train the shipped ``nano`` (k3jax/data/nano)."""
 
     preset: str = "nano"
-    steps: int = 3000
-    batch: int = 64  # sequences per optimizer step
-    seq_len: int = 256  # tokens (bytes) per sequence
+    steps: int = 800
+    batch: int = 16  # sequences per optimizer step
+    seq_len: int = 128  # tokens (bytes) per sequence
     accumulate: int = 1  # micro-batches per step (batch must be a multiple)
     learning_rate: float = 2e-3  # peak
-    warmup_steps: int = 150
+    warmup_steps: int = 50
     min_lr_ratio: float = 0.1  # the cosine decay's end, as a fraction of the peak
     weight_decay: float = 0.1
     b1: float = 0.9
@@ -73,9 +73,9 @@ class TrainConfig:
     scan_layers: bool = True
     seed: int = 0
     log_every: int = 10
-    eval_every: int = 500
+    eval_every: int = 400
     eval_bytes: int = 0  # held-out bytes each evaluation reads (0: all of them)
-    checkpoint_every: int = 500
+    checkpoint_every: int = 200
 
     def check(self) -> None:
         """ValueError naming the field of a setting that cannot run."""
@@ -315,15 +315,22 @@ def train(cfg: TrainConfig, out: str | Path, *, corpus: Corpus | None = None, st
 
 
 def _finish(cfg: TrainConfig, trainer: Trainer, params: Params, corpus: Corpus, out: Path, export: bool):
-    """Held-out loss in float32 and, with ``export``, of the exported model (bf16, MXFP4 experts)."""
+    """Held-out loss of the trained float32 model, of the same with its routed experts through MXFP4
+    (encoded and decoded: the quantization alone) and, with ``export``, of the exported model as
+    ``k3jax.load`` reads it (bf16 tensors, MXFP4 experts)."""
+    from k3jax.mx import decode_compiled, quantize_compiled
+
     held = corpus.held_out[:cfg.eval_bytes] if cfg.eval_bytes else corpus.held_out
-    result = {"float32": trainer.evaluate(params, held)}
+    mx = jax.tree_util.tree_map_with_path(
+        lambda path, p: decode_compiled(quantize_compiled(p), p.dtype) if "'experts'" in jax.tree_util.keystr(path) else p,
+        params)
+    result = {"float32": trainer.evaluate(params, held), "float32_mxfp4_experts": trainer.evaluate(mx, held)}
     if export:
         from k3jax.checkpoint import load
 
         folder = export_model(cfg, trainer.graphdef, params, out / "model")
         with use_implementation(cfg.implementation):
-            result["mxfp4"] = evaluate(model_parts(load(folder)), held, cfg.seq_len, cfg.batch)
+            result["exported"] = evaluate(model_parts(load(folder)), held, cfg.seq_len, cfg.batch)
     return {"held_out": result}
 
 

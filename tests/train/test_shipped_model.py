@@ -10,7 +10,7 @@ from k3jax.checkpoint import load
 from k3jax.cli import SHIPPED_MODEL, main
 from k3jax.corpus import load_corpus, shipped_text
 from k3jax.mx import MXTensor
-from k3jax.train import evaluate, model_parts
+from k3jax.train import TrainConfig, evaluate, model_parts
 
 README = SHIPPED_MODEL.parent.parent.parent / "README.md"
 
@@ -24,7 +24,8 @@ def _readme_bits_per_byte() -> float:
 def test_held_out_loss_is_the_readme_s():
     model = load(SHIPPED_MODEL, verify=True)
     assert isinstance(model.layers[1].block_sparse_moe.experts.w1.get_value(), MXTensor)
-    result = evaluate(model_parts(model), load_corpus().held_out, 256, 64)
+    cfg = TrainConfig()  # the shipped run's settings: held-out windows of its sequence length
+    result = evaluate(model_parts(model), load_corpus().held_out, cfg.seq_len, cfg.batch)
     print(result)
     assert abs(result["eval_bpb"] - _readme_bits_per_byte()) <= 0.01 * _readme_bits_per_byte()
 
