@@ -4,6 +4,7 @@ build a preset themselves share it)."""
 from dataclasses import dataclass
 
 import jax
+import numpy as np
 from flax import nnx
 
 from k3jax.model import K3Model
@@ -21,7 +22,7 @@ class Built:
         return self.model.cfg
 
 
-_BUILT: dict[str, Built] = {}
+_BUILT: dict[tuple, Built] = {}
 
 
 def randomize_zero_params(model: K3Model, seed: int = 7) -> None:
@@ -31,17 +32,21 @@ def randomize_zero_params(model: K3Model, seed: int = 7) -> None:
     leaves, treedef = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
     leaves = [
-        0.5 * jax.random.normal(k, x.shape, x.dtype) if x.dtype.kind == "f" and not x.any() else x
+        0.5 * jax.random.normal(k, x.shape, x.dtype) if x.dtype.kind == "f" and not np.asarray(x).any() else x
         for k, x in zip(keys, leaves)
     ]
     nnx.update(model, jax.tree.unflatten(treedef, leaves))
 
 
-def build(name: str) -> Built:
-    if name not in _BUILT:
-        model = K3Model(preset(name), rngs=nnx.Rngs(0))
+def build(name: str, *, packed_experts: bool | None = None, **changes) -> Built:
+    """The preset ``name`` with ``changes`` to its ``K3Config`` (fewer ``layer_types``, say), seed-0 weights (routed
+    experts packed by ``packed_experts``, default the config's), the zero-initialized ones drawn
+    (``randomize_zero_params``): built once per run for each set of arguments."""
+    key = (name, packed_experts, tuple(sorted(changes.items())))
+    if key not in _BUILT:
+        model = K3Model(preset(name).replace(**changes), rngs=nnx.Rngs(0), packed_experts=packed_experts)
         randomize_zero_params(model)
         graph, params = nnx.split(model)
         forward = jax.jit(lambda p, t: nnx.merge(graph, p)(t))
-        _BUILT[name] = Built(model, params, forward)
-    return _BUILT[name]
+        _BUILT[key] = Built(model, params, forward)
+    return _BUILT[key]

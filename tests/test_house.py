@@ -4,7 +4,7 @@
   kernel module and no interpret flag (the op entries of ``pallas_kernels.<op>.ops`` do that);
 - the layers import at module level only;
 - no module of ``k3jax`` or ``pallas_kernels`` imports a private name (``_x``) of another package (the
-  shared modules ``pallas_kernels._platform``, ``_triton`` and ``_mosaic_gpu`` are private to
+  shared modules ``pallas_kernels._platform``, ``_triton``, ``_mosaic_gpu`` and ``_autodiff`` are private to
   ``pallas_kernels`` as a whole: every op folder imports them);
 - the modules of ``pallas_kernels`` import one another without a cycle;
 - the code, the converter and the README speak of no "session".
@@ -18,7 +18,8 @@ import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 OURS = ("k3jax", "pallas_kernels", "convert")  # the top-level packages of this repository
-SHARED = {"pallas_kernels._platform", "pallas_kernels._triton", "pallas_kernels._mosaic_gpu"}
+SHARED = {"pallas_kernels._platform", "pallas_kernels._triton", "pallas_kernels._mosaic_gpu",
+          "pallas_kernels._autodiff"}
 LAYER_WORDS = ("get_implementation", "triton_kernels", "pallas_interpret")
 
 

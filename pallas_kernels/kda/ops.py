@@ -10,8 +10,10 @@
 
 q, k [B, T, H, K] (bf16 or float32), v [B, T, H, V], g [B, T, H, K] float32 log decay, beta [B, T, H]
 float32 after the sigmoid, state [B, H, K, V] float32; o is float32 [B, T, H, V]. K, V and the block
-sizes are powers of two; T is any length. Gradients (``jax.custom_vjp``) are the reference's
-autodiff: forward by the kernels, backward by ``jax.vjp`` of the pure-JAX chunked form.
+sizes are powers of two; T is any length. Gradients (``pallas_kernels._autodiff.with_reference_gradient``,
+a ``jax.custom_vjp``) are the reference's autodiff: forward by the kernels, backward by ``jax.vjp`` of the
+pure-JAX form recomputed from the saved inputs, for ``gated_kda``, ``short_convs``, ``chunk_kda`` and
+``chunk_kda_fused`` (``step_kda`` and ``step_kda_fused`` have none: ``gated_kda`` gives its decode step one).
 
 The chunked kernels need the bounded gate: every g >= -10 (K3's gate has g > lower_bound = -5).
 Sixteen such steps stay inside float32's exponent range when factored around the sub-tile midpoint.
@@ -26,13 +28,12 @@ CPU each runs in its interpret mode.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
 from k3jax.functional.conv import input_states, last_inputs
 from k3jax.implementation import current
+from pallas_kernels._autodiff import with_reference_gradient
 from pallas_kernels._mosaic_gpu import interpret_argument
 from pallas_kernels._platform import interpret, jax_at_least, on_tpu
 from pallas_kernels.kda import mosaic_gpu, mosaic_gpu_decode, reference, tpu
@@ -71,9 +72,16 @@ def gated_kda(q, k, v, z, a_log, dt_bias, beta_logits, state, lower_bound: float
     """``k3jax.functional.kda.gated_kda``: the reference, or on the Pallas path the kernels. With K3's
     bounded gate the kernels take the raw inputs (norms, gate and sigmoid inside; padding masked by
     z = beta_logits = -inf, which give g = 0 and beta = 0); without it the gates are computed here
-    and the decode kernel (any gate works there) or the reference's chunked form runs."""
-    if current().name == "reference":
+    and the decode kernel (any gate works there) or the reference's chunked form runs. Where kernels
+    run, the gradient is the reference's (``with_reference_gradient``)."""
+    if current().name == "reference" or (lower_bound is None and q.shape[1] > 1):
         return reference.gated_kda(q, k, v, z, a_log, dt_bias, beta_logits, state, lower_bound, valid)
+    return with_reference_gradient(_gated_kda_kernels, reference.gated_kda)(
+        q, k, v, z, a_log, dt_bias, beta_logits, state, lower_bound, valid)
+
+
+def _gated_kda_kernels(q, k, v, z, a_log, dt_bias, beta_logits, state, lower_bound: float | None, valid):
+    """``gated_kda``'s kernels (the Pallas path, where it does not run the reference)."""
     if lower_bound is not None:
         if valid is not None:
             z = jnp.where(valid[:, :, None, None], z, -jnp.inf)
@@ -83,8 +91,6 @@ def gated_kda(q, k, v, z, a_log, dt_bias, beta_logits, state, lower_bound: float
                                       lower_bound)
             return o[:, None], state
         return chunk_kda_fused(q, k, v, z, a_log, dt_bias, beta_logits, lower_bound, state)
-    if q.shape[1] > 1:
-        return reference.gated_kda(q, k, v, z, a_log, dt_bias, beta_logits, state, None, valid)
     q, k, g, beta = reference.gates(q, k, z, a_log, dt_bias, beta_logits, None, valid)
     o, state = step_kda(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state)
     return o[:, None], state
@@ -94,15 +100,25 @@ def short_convs(xs, taps, state, lengths=None):
     """``k3jax.functional.conv.short_convs``: the reference, or on the Pallas path off TPU one kernel for
     a decode step (T = 1, no padding; the state updated in place) and, by
     ``KernelPolicy.conv_kernel_at_prefill``, one kernel for a prefill chunk's convs and SiLU (the state
-    after them by XLA)."""
+    after them by XLA). The kernels' gradient is the reference's (``with_reference_gradient``)."""
     choice = current()
     if choice.name == "reference" or on_tpu():
         return reference.short_convs(xs, taps, state, lengths)
-    if xs[0].shape[1] == 1 and lengths is None:
-        ys, state = conv_silu_step([x[:, 0] for x in xs], taps, state)
-        return (*(y[:, None] for y in ys), state)
-    if not choice.policy.conv_kernel_at_prefill:
+    step = xs[0].shape[1] == 1 and lengths is None
+    if not step and not choice.policy.conv_kernel_at_prefill:
         return reference.short_convs(xs, taps, state, lengths)
+    kernel = _short_convs_step if step else _short_convs_chunk
+    return with_reference_gradient(kernel, reference.short_convs)(list(xs), list(taps), state, lengths)
+
+
+def _short_convs_step(xs, taps, state, lengths):
+    """``short_convs`` at one token (``lengths`` None) by the decode kernel."""
+    ys, state = conv_silu_step([x[:, 0] for x in xs], taps, state)
+    return (*(y[:, None] for y in ys), state)
+
+
+def _short_convs_chunk(xs, taps, state, lengths):
+    """``short_convs`` over a prefill chunk: the convs and SiLU by the kernel, the state after them by XLA."""
     states = [last_inputs(x.astype(jnp.float32), s, lengths) for x, s in zip(xs, input_states(xs, state))]
     return (*conv_silu_chunk(xs, taps, state), jnp.concatenate(states, axis=-1))
 
@@ -159,25 +175,6 @@ def _decode(q, k, v, g, beta, state, gate, *, scale, blocks, lower_bound=0.0):
                                          interpret=interpret_argument(interpret()))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _chunk_kda(q, k, v, g, beta, initial_state, scale, blocks):
-    return _forward(q, k, v, g, beta, None, initial_state, scale, 0.0, blocks)
-
-
-def _chunk_kda_fwd(q, k, v, g, beta, initial_state, scale, blocks):
-    out = _chunk_kda(q, k, v, g, beta, initial_state, scale, blocks)
-    return out, (q, k, v, g, beta, initial_state)
-
-
-def _chunk_kda_bwd(scale, blocks, residuals, cotangents):
-    reference_fn = lambda *xs: reference.chunk_kda(*xs, scale=scale)
-    _, vjp = jax.vjp(reference_fn, *residuals)
-    return vjp(cotangents)
-
-
-_chunk_kda.defvjp(_chunk_kda_fwd, _chunk_kda_bwd)
-
-
 def _precise(q) -> bool:
     """Whether the inputs ask for float32 arithmetic, which the kernels keep only in their Triton form."""
     return jnp.dtype(q.dtype) == jnp.float32
@@ -203,36 +200,15 @@ def chunk_kda(q, k, v, g, beta, initial_state=None, scale=None, *,
     blocks = _blocks_for(q, blocks)
     if initial_state is None:
         initial_state = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
-    return _chunk_kda(q, k, v, g, beta, initial_state, scale, blocks)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
-def _chunk_kda_fused(q, k, v, z, a_log, dt_bias, beta_logits, initial_state, lower_bound, scale, blocks):
-    gate_params = _gate_params(a_log, dt_bias, q.shape[-1])
-    return _forward(q, k, v, z, beta_logits, gate_params, initial_state, scale, lower_bound, blocks)
+    kernel = lambda q, k, v, g, beta, h: _forward(q, k, v, g, beta, None, h, scale, 0.0, blocks)
+    gradient = lambda q, k, v, g, beta, h: reference.chunk_kda(q, k, v, g, beta, h, scale)
+    return with_reference_gradient(kernel, gradient)(q, k, v, g, beta, initial_state)
 
 
 def _gate_params(a_log, dt_bias, K):
     """(exp(A_log) broadcast to [H, K], dt_bias [H, K]) in float32: what the fused kernels read."""
     a_exp = jnp.broadcast_to(jnp.exp(a_log.astype(jnp.float32))[:, None], (a_log.shape[0], K))
     return a_exp, dt_bias.astype(jnp.float32).reshape(a_log.shape[0], K)
-
-
-def _chunk_kda_fused_fwd(q, k, v, z, a_log, dt_bias, beta_logits, initial_state, lower_bound, scale, blocks):
-    out = _chunk_kda_fused(q, k, v, z, a_log, dt_bias, beta_logits, initial_state, lower_bound, scale, blocks)
-    return out, (q, k, v, z, a_log, dt_bias, beta_logits, initial_state)
-
-
-def _chunk_kda_fused_bwd(lower_bound, scale, blocks, residuals, cotangents):
-    def reference_fn(q, k, v, z, a_log, dt_bias, beta_logits, initial_state):
-        return reference.chunk_kda_fused(q, k, v, z, a_log, dt_bias, beta_logits, lower_bound,
-                                         initial_state, scale)
-
-    _, vjp = jax.vjp(reference_fn, *residuals)
-    return vjp(cotangents)
-
-
-_chunk_kda_fused.defvjp(_chunk_kda_fused_fwd, _chunk_kda_fused_bwd)
 
 
 def chunk_kda_fused(q, k, v, z, a_log, dt_bias, beta_logits, lower_bound: float = -5.0,
@@ -249,8 +225,17 @@ def chunk_kda_fused(q, k, v, z, a_log, dt_bias, beta_logits, lower_bound: float 
     blocks = _blocks_for(q, blocks)
     if initial_state is None:
         initial_state = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
-    return _chunk_kda_fused(q, k, v, z, a_log, dt_bias, beta_logits.astype(jnp.float32), initial_state,
-                            float(lower_bound), scale, blocks)
+    lower_bound = float(lower_bound)
+
+    def kernel(q, k, v, z, a_log, dt_bias, beta_logits, h):
+        gate_params = _gate_params(a_log, dt_bias, q.shape[-1])
+        return _forward(q, k, v, z, beta_logits, gate_params, h, scale, lower_bound, blocks)
+
+    def gradient(q, k, v, z, a_log, dt_bias, beta_logits, h):
+        return reference.chunk_kda_fused(q, k, v, z, a_log, dt_bias, beta_logits, lower_bound, h, scale)
+
+    return with_reference_gradient(kernel, gradient)(q, k, v, z, a_log, dt_bias, beta_logits.astype(jnp.float32),
+                                                     initial_state)
 
 
 def step_kda(q, k, v, g, beta, state, scale=None, *, blocks: KDABlocks = DEFAULT_BLOCKS):

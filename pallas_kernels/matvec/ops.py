@@ -10,7 +10,8 @@ map, its input's preparation inside (a gated activation up to
 (``add_in_matvec``) and, with ``conv``, KDA's short convs and SiLU after the first outputs
 (``conv_in_matvec``); a Block AttnRes mix before it is mixed and normed by the AttnRes kernel. Elsewhere
 the reference's einsums run, the mix by ``pallas_kernels.attn_res`` and the convs by
-``pallas_kernels.kda``.
+``pallas_kernels.kda``. The kernel's gradient is the reference's (``project`` and ``short_convs`` of
+``k3jax.functional``, by ``pallas_kernels._autodiff.with_reference_gradient``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from k3jax.functional.linear import Activated, Input, Norm, add_rounded, check_p
 from k3jax.implementation import current
 from k3jax.typing import Array
 from pallas_kernels import _platform
+from pallas_kernels._autodiff import with_reference_gradient
 from pallas_kernels.attn_res.ops import mix_norm, mix_norm_kernel
 from pallas_kernels.kda.ops import short_convs
 from pallas_kernels.matvec import reference
@@ -69,6 +71,29 @@ def _kernel(x: "Array | Activated", weights, dtypes, norm: Norm | None, read_as,
     return [add_rounded(outs[0], add)] if add and not fused else outs + state
 
 
+def _reference(x: "Array | Activated", weights, dtypes, norm: Norm | None, read_as, add, conv) -> list[Array]:
+    """What ``_kernel`` computes, by the reference: the products, then the short convs of the first outputs."""
+    outs = reference.project(x, weights, dtypes, norm, read_as=read_as, add=add)
+    if conv is None:
+        return outs
+    taps, state = conv
+    *convolved, state = reference.short_convs(outs[:len(taps)], taps, state)
+    return [*convolved, *outs[len(taps):], state]
+
+
+def _products(x: "Array | Activated", weights, dtypes, norm: Norm | None, read_as, add, conv) -> list[Array]:
+    """``_kernel``, with the reference's gradient (``_reference``)."""
+    act, inputs = (x.act, (x.gate, x.up)) if isinstance(x, Activated) else (None, (x,))
+
+    def called(fn):
+        def call(act, inputs, *args):
+            return fn(inputs[0] if act is None else Activated(act, *inputs), *args)
+        return call
+
+    return with_reference_gradient(called(_kernel), called(_reference))(
+        act, inputs, list(weights), dtypes, norm, read_as, list(add), conv)
+
+
 def project(x: Input, weights: Sequence[Array], dtypes: Sequence | None = None, norm: Norm | None = None, *,
             read_as=None, add: Sequence[Array] = (), conv: ShortConvs | None = None) -> list[Array]:
     """``k3jax.functional.linear.project`` (x [..., D] times each weight [N_i, D]^T), by the kernel or
@@ -82,11 +107,11 @@ def project(x: Input, weights: Sequence[Array], dtypes: Sequence | None = None, 
         x, norm = (mix_norm_kernel(x, norm) if kernel else mix_norm(x, norm)), None
     if conv is None:
         if kernel:
-            return _kernel(x, weights, dtypes, norm, read_as, add, None)
+            return _products(x, weights, dtypes, norm, read_as, add, None)
         return reference.project(x, weights, dtypes, norm, read_as=read_as, add=add)
     taps, state, lengths = conv
     if kernel and lengths is None and x.shape[-2] == 1 and current().policy.conv_in_matvec:
-        return _kernel(x, weights, dtypes, norm, read_as, add, (taps, state))
+        return _products(x, weights, dtypes, norm, read_as, add, (taps, state))
     outs = project(x, weights, dtypes, norm, read_as=read_as, add=add)
     n = len(taps)
     *convolved, state = short_convs(outs[:n], taps, state, lengths)

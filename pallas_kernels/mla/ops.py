@@ -8,7 +8,9 @@ On the Pallas path off TPU: a decode step's cache write is one Triton kernel (``
 norm inside, the caches written in place); several new tokens (a prefill chunk, a whole sequence)
 attend by the flash-attention kernel (``triton_attention.py``) over keys and values expanded from the
 latents, no score matrix stored, where the head widths suit it (any in interpret mode). A decode step
-attends in the reference's absorbed form.
+attends in the reference's absorbed form. ``latent_causal_attention`` (a full forward's attention) has
+the reference's gradient (``pallas_kernels._autodiff.with_reference_gradient``); the cached forms none
+through their kernels.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import jax.numpy as jnp
 from k3jax.implementation import current
 from k3jax.typing import Array
 from pallas_kernels import _platform
+from pallas_kernels._autodiff import with_reference_gradient
 from pallas_kernels.mla import reference
 from pallas_kernels.mla.triton_attention import prefill_attention, prefill_attention_runs
 from pallas_kernels.mla.triton_cache import write_latents as write_latents_kernel
@@ -59,11 +62,17 @@ def cached_attention(q: Array, c_kv: Array, k_pe: Array, kv_b: Array, positions:
 
 def latent_causal_attention(q: Array, c_kv: Array, k_pe: Array, kv_b: Array, scale: float, dtype) -> Array:
     """``k3jax.functional.mla.latent_causal_attention``; the flash kernel on the Pallas path (no [B, H, T, T]
-    scores)."""
+    scores), with the reference's gradient."""
     if _flash_runs(q, k_pe, kv_b):
-        B, T = q.shape[:2]
-        return _flash(q, c_kv, k_pe, kv_b, jnp.broadcast_to(jnp.arange(T), (B, T)), scale, dtype)
+        return with_reference_gradient(_flash_causal, reference.latent_causal_attention)(q, c_kv, k_pe, kv_b, scale,
+                                                                                         dtype)
     return reference.latent_causal_attention(q, c_kv, k_pe, kv_b, scale, dtype)
+
+
+def _flash_causal(q: Array, c_kv: Array, k_pe: Array, kv_b: Array, scale: float, dtype) -> Array:
+    """``latent_causal_attention`` by the flash kernel: each query at position t sees keys 0..t."""
+    B, T = q.shape[:2]
+    return _flash(q, c_kv, k_pe, kv_b, jnp.broadcast_to(jnp.arange(T), (B, T)), scale, dtype)
 
 
 __all__ = ["cached_attention", "latent_causal_attention", "write_latents"]

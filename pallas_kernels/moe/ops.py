@@ -14,7 +14,9 @@ stacks, ``routed_experts`` picks one of (``KernelPolicy`` decides where several 
 - sorted: the reference's sorted dispatch with the grouped MX matmul kernel (``pallas_kernels.mx_matmul``).
 
 Under ``k3jax.sharding.expert_parallel`` the experts are split over the mesh and each device runs the
-tiled or sorted form on its own (``moe_expert_parallel``). Not differentiable on the kernel paths.
+tiled or sorted form on its own (``moe_expert_parallel``). ``select_experts`` has the reference's gradient
+(``pallas_kernels._autodiff.with_reference_gradient``; the expert ids none); the MXFP4 forms of
+``routed_experts`` (split, tiled, the grouped MX matmul) are not differentiable.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from k3jax.mx import MXTensor
 from k3jax.sharding import expert_mesh
 from k3jax.typing import Array
 from pallas_kernels import _platform
+from pallas_kernels._autodiff import with_reference_gradient
 from pallas_kernels._triton import offsets_wrap
 from pallas_kernels.moe import reference
 from pallas_kernels.moe.mosaic_gpu_tiled import tiled_moe_mx
@@ -38,10 +41,12 @@ from pallas_kernels.mx_matmul.ops import grouped_mx_matmul
 
 
 def select_experts(logits: Array, correction_bias: Array, k: int, renormalize: bool, scaling_factor: float):
-    """``k3jax.functional.moe.select_experts``; on the Pallas path off TPU one Triton kernel."""
+    """``k3jax.functional.moe.select_experts``; on the Pallas path off TPU one Triton kernel, with the
+    reference's gradient."""
     if current().name == "reference" or _platform.on_tpu():
         return reference.select_experts(logits, correction_bias, k, renormalize, scaling_factor)
-    return select_experts_kernel(logits, correction_bias, k, renormalize, scaling_factor)
+    return with_reference_gradient(select_experts_kernel, reference.select_experts)(
+        logits, correction_bias, k, renormalize, scaling_factor)
 
 
 def _tiled_bm(w: Array | MXTensor, x: Array, pairs: int) -> int | None:
