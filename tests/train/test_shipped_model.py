@@ -16,7 +16,7 @@ README = SHIPPED_MODEL.parent.parent.parent / "README.md"
 
 
 def _readme_bits_per_byte() -> float:
-    found = re.search(r"held-out ([0-9.]+) bits per byte", README.read_text())
+    found = re.search(r"held-out\s+([0-9.]+) bits per byte", README.read_text())
     assert found, "README.md: no 'held-out N bits per byte' sentence for the shipped model"
     return float(found.group(1))
 
