@@ -316,15 +316,17 @@ def train(cfg: TrainConfig, out: str | Path, *, corpus: Corpus | None = None, st
 
 def _finish(cfg: TrainConfig, trainer: Trainer, params: Params, corpus: Corpus, out: Path, export: bool):
     """Held-out loss of the trained float32 model, of the same with its routed experts through MXFP4
-    (encoded and decoded: the quantization alone) and, with ``export``, of the exported model as
+    (encoded and decoded: the quantization alone; K3-layout models) and, with ``export``, of the exported model as
     ``k3jax.load`` reads it (bf16 tensors, MXFP4 experts)."""
     from k3jax.mx import decode_compiled, quantize_compiled
 
     held = corpus.held_out[:cfg.eval_bytes] if cfg.eval_bytes else corpus.held_out
-    mx = jax.tree_util.tree_map_with_path(
-        lambda path, p: decode_compiled(quantize_compiled(p), p.dtype) if "'experts'" in jax.tree_util.keystr(path) else p,
-        params)
-    result = {"float32": trainer.evaluate(params, held), "float32_mxfp4_experts": trainer.evaluate(mx, held)}
+    result = {"float32": trainer.evaluate(params, held)}
+    if trainer.model_cfg.mx_experts:
+        mx = jax.tree_util.tree_map_with_path(
+            lambda path, p: decode_compiled(quantize_compiled(p), p.dtype) if "'experts'" in jax.tree_util.keystr(path)
+            else p, params)
+        result["float32_mxfp4_experts"] = trainer.evaluate(mx, held)
     if export:
         from k3jax.checkpoint import load
 
@@ -335,7 +337,7 @@ def _finish(cfg: TrainConfig, trainer: Trainer, params: Params, corpus: Corpus, 
 
 
 def export_model(cfg: TrainConfig, graphdef: nnx.GraphDef, params: Params, folder: Path) -> Path:
-    """The trained model as a released-layout folder in the released dtypes: routed experts in MXFP4,
+    """The trained model as a released-layout folder in the released dtypes: routed experts in MXFP4 (K3),
     A_log, dt_bias, conv weights and router biases float32, the rest bf16 (as K3 ships them). Replaces
     ``folder`` if it exists."""
     import shutil
@@ -344,7 +346,8 @@ def export_model(cfg: TrainConfig, graphdef: nnx.GraphDef, params: Params, folde
     from k3jax.mx import quantize_compiled
 
     values = model_params(nnx.merge(graphdef, params))
-    values = {k: quantize_compiled(jnp.asarray(v)) if ".experts.w" in k else v for k, v in values.items()}
+    if preset(cfg.preset).mx_experts:  # K3; Kimi Linear's experts stay arrays
+        values = {k: quantize_compiled(jnp.asarray(v)) if ".experts.w" in k else v for k, v in values.items()}
     if folder.exists():
         shutil.rmtree(folder)
     return export(values, preset_hf_config(cfg.preset), folder)
