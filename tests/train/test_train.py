@@ -82,8 +82,13 @@ def test_accumulation_agrees_with_the_plain_step():
     start = init_state(SMALL)["params"]
     step = lambda p: jax.tree.map(lambda x, y: x - y, p, start)
     accumulated = _relative(step(halves), step(plain))
-    print(f"update: accumulated {accumulated:.2e} from the plain step; losses {m1['loss']:.6f} {m2['loss']:.6f}")
-    assert abs(float(m2["loss"]) - float(m1["loss"])) < 1e-5 and accumulated < 1e-4
+    print(f"update: accumulated {accumulated:.2e} from the plain step; losses {m1['loss']:.6f} {m2['loss']:.6f}; "
+          f"gradient norms {m1['grad_norm']:.6f} {m2['grad_norm']:.6f}")
+    assert abs(float(m2["loss"]) - float(m1["loss"])) < 1e-5
+    assert abs(float(m2["grad_norm"]) - float(m1["grad_norm"])) < 1e-5 * float(m1["grad_norm"])  # summation order only
+    # Adam's first update is close to lr * sign(g): an element whose gradient sits at rounding level can flip
+    # between the two summation orders and move by 2 lr (seen 7e-5 and 4e-4 of the update's norm)
+    assert accumulated < 2e-3
 
 
 def test_bfloat16_compute_gradient_descends_the_float32_loss():
