@@ -84,10 +84,5 @@ def bits_per_byte(nats: float, count: float) -> float:
     return nats / max(count, 1.0) / math.log(2.0)
 
 
-def is_router_bias(path: tuple) -> bool:
-    """Whether a pure-dict path is a router's correction bias (balanced by its own rule, not by the optimizer)."""
-    return _BIAS.search(jax.tree_util.keystr(path)) is not None
-
-
 __all__ = ["LossParts", "Params", "balance_router_bias", "bits_per_byte", "compute_dtypes", "cross_entropy",
-           "forward_params", "is_router_bias", "loss_parts"]
+           "forward_params", "loss_parts"]

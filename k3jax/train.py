@@ -29,11 +29,10 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, TextIO
+from typing import Any, Callable, TextIO
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from flax import nnx
@@ -44,7 +43,7 @@ from k3jax.corpus import Corpus, load_corpus
 from k3jax.implementation import use_implementation
 from k3jax.model import K3Model
 from k3jax.objective import (
-    LossParts, Params, balance_router_bias, bits_per_byte, compute_dtypes, loss_parts,
+    LossParts, Params, balance_router_bias, bits_per_byte, compute_dtypes, cross_entropy, loss_parts,
 )
 from k3jax.presets import preset, preset_hf_config
 
@@ -200,8 +199,6 @@ def evaluate(parts: Callable[[Any, Any], LossParts | tuple], data: bytes, seq_le
 
 def model_parts(model: K3Model, scan_layers: bool = True) -> Callable:
     """``evaluate``'s function for a ready model (a loaded checkpoint, MXFP4 experts included)."""
-    from k3jax.objective import cross_entropy
-
     graphdef, state = nnx.split(model)
 
     @jax.jit
@@ -279,7 +276,8 @@ def train(cfg: TrainConfig, out: str | Path, *, corpus: Corpus | None = None, st
     first, last = int(state["step"]), min(stop_at or cfg.steps, cfg.steps)
     tokens_per_step = cfg.batch * cfg.seq_len
     start = time.perf_counter()
-    timed_from, timed_steps, metrics = None, 0, {}
+    timed_from, timed_steps, metrics, final_eval = None, 0, {}, None
+    held = corpus.held_out[:cfg.eval_bytes] if cfg.eval_bytes else corpus.held_out
     try:
         for step in range(first, last):
             tokens, mask = trainer.batch(windows, int(state["position"]))
@@ -297,8 +295,8 @@ def train(cfg: TrainConfig, out: str | Path, *, corpus: Corpus | None = None, st
                 report.line(f"step {done}/{cfg.steps}  loss {metrics['loss']:.4f}  {rate:,.0f} tokens/s  "
                             f"ETA {_clock(eta)}")
             if done % cfg.eval_every == 0 or done == cfg.steps:
-                held = corpus.held_out[:cfg.eval_bytes] if cfg.eval_bytes else corpus.held_out
                 result = trainer.evaluate(state["params"], held)
+                final_eval = result if done == cfg.steps else None
                 report.record({"step": done, **result})
                 report.line(f"step {done}: held-out loss {result['eval_loss']:.4f}, {result['eval_bpb']:.4f} bits/byte",
                             final=True)
@@ -309,19 +307,20 @@ def train(cfg: TrainConfig, out: str | Path, *, corpus: Corpus | None = None, st
     summary = {"steps": int(state["step"]), "seconds": time.perf_counter() - start, "device": _device(),
                "train_loss": metrics.get("loss")}
     if int(state["step"]) == cfg.steps:
-        summary |= _finish(cfg, trainer, state["params"], corpus, out, export)
+        summary |= _finish(cfg, trainer, state["params"], held, final_eval, out, export)
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 
-def _finish(cfg: TrainConfig, trainer: Trainer, params: Params, corpus: Corpus, out: Path, export: bool):
-    """Held-out loss of the trained float32 model, of the same with its routed experts through MXFP4
+def _finish(cfg: TrainConfig, trainer: Trainer, params: Params, held: bytes, float32: dict | None, out: Path,
+            export: bool):
+    """Held-out loss of the trained float32 model (``float32``, the last step's evaluation, when this run
+    made it), of the same with its routed experts through MXFP4
     (encoded and decoded: the quantization alone; K3-layout models) and, with ``export``, of the exported model as
     ``k3jax.load`` reads it (bf16 tensors, MXFP4 experts)."""
     from k3jax.mx import decode_compiled, quantize_compiled
 
-    held = corpus.held_out[:cfg.eval_bytes] if cfg.eval_bytes else corpus.held_out
-    result = {"float32": trainer.evaluate(params, held)}
+    result = {"float32": float32 or trainer.evaluate(params, held)}
     if trainer.model_cfg.mx_experts:
         mx = jax.tree_util.tree_map_with_path(
             lambda path, p: decode_compiled(quantize_compiled(p), p.dtype) if "'experts'" in jax.tree_util.keystr(path)
