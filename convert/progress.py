@@ -20,7 +20,8 @@ def size(n: float, unit_of: float | None = None) -> str:
     return f"{n:.0f} B" if name == "B" else f"{n / scale:.2f} {name}"
 
 
-def _clock(seconds: float) -> str:
+def clock(seconds: float) -> str:
+    """Seconds as H:MM:SS."""
     s = int(seconds)
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
@@ -57,7 +58,7 @@ class Progress:
         pct = 100.0 * self.done / self.total
         self.stream.write(
             f"\r{self.label}: {size(self.done, self.total)} / {size(self.total)} ({pct:5.1f}%) "
-            f"{size(rate)}/s  ETA {_clock(eta)}"
+            f"{size(rate)}/s  ETA {clock(eta)}"
         )
         self.stream.flush()
 
@@ -68,4 +69,4 @@ class Progress:
             self.stream.flush()
 
 
-__all__ = ["Progress", "size"]
+__all__ = ["clock", "Progress", "size"]

@@ -37,6 +37,7 @@ import optax
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from convert.progress import clock
 from k3jax.batches import TrainWindows, eval_windows
 from k3jax.config import K3Config
 from k3jax.corpus import Corpus, load_corpus
@@ -250,11 +251,6 @@ class _Report:
         self.metrics.close()
 
 
-def _clock(seconds: float) -> str:
-    s = int(seconds)
-    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
-
-
 def train(cfg: TrainConfig, out: str | Path, *, corpus: Corpus | None = None, stop_at: int | None = None,
           stream: TextIO | None = sys.stderr, export: bool = True) -> dict[str, Any]:
     """Train ``cfg`` into the run folder ``out`` (resuming from its last checkpoint when it has one) up to
@@ -293,7 +289,7 @@ def train(cfg: TrainConfig, out: str | Path, *, corpus: Corpus | None = None, st
                 eta = (cfg.steps - done) * tokens_per_step / rate if rate else 0.0
                 report.record({"step": done, **metrics, "tokens_per_s": rate, "elapsed_s": now - start})
                 report.line(f"step {done}/{cfg.steps}  loss {metrics['loss']:.4f}  {rate:,.0f} tokens/s  "
-                            f"ETA {_clock(eta)}")
+                            f"ETA {clock(eta)}")
             if done % cfg.eval_every == 0 or done == cfg.steps:
                 result = trainer.evaluate(state["params"], held)
                 final_eval = result if done == cfg.steps else None
