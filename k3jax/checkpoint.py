@@ -12,8 +12,8 @@ as soon as it is read, so host memory holds about one part/tensor at a time:
 Routed experts: if the model's expert parameters hold ``MXTensor`` values (``K3Model``'s default
 for an MXFP4 config) they are filled with the packed codes and scales (or quantized, from a bf16
 checkpoint: lossless for values that came from MXFP4); with ``packed_experts=False`` they hold
-arrays and MXFP4 experts are decoded to the parameter dtype. Sharding on a ``mesh``: everything replicated, except routed
-experts, split along E over a mesh axis named ``expert`` when there is one and it divides E.
+arrays and MXFP4 experts are decoded to the parameter dtype. On a ``mesh`` (``k3jax.sharding.make_mesh``) each
+parameter is placed as ``k3jax.sharding.rules`` says.
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
 from k3jax.config import K3Config, from_hf_config
 from k3jax.model import K3Model
 from k3jax.mx import MXTensor, decode_compiled, quantize_compiled
-from k3jax.sharding import EXPERT_AXIS
+from k3jax.sharding.rules import param_spec
 
 _DTYPES = {"BF16": jnp.bfloat16, "F16": jnp.float16, "F32": jnp.float32}
 
@@ -71,13 +71,9 @@ def iter_params(path: str | Path, cfg: K3Config, *, verify: bool = False) -> Ite
     return _source(Path(path), cfg, verify)[0]
 
 
-def sharding_for(mesh: Mesh | None, path: str, shape: tuple[int, ...]) -> NamedSharding | None:
-    """Replicated, except routed experts [E, ...] split over the ``expert`` mesh axis (when it divides E)."""
-    if mesh is None:
-        return None
-    if ".experts.w" in path and EXPERT_AXIS in mesh.axis_names and shape[0] % mesh.shape[EXPERT_AXIS] == 0:
-        return NamedSharding(mesh, PartitionSpec(EXPERT_AXIS))
-    return NamedSharding(mesh, PartitionSpec())
+def sharding_for(cfg: K3Config, mesh: Mesh | None, path: str, shape: tuple[int, ...]) -> NamedSharding | None:
+    """Where parameter ``path`` of ``shape`` lives on ``mesh`` (``k3jax.sharding.rules``); None without a mesh."""
+    return None if mesh is None else NamedSharding(mesh, param_spec(cfg, path, shape, mesh))
 
 
 def coerce(target: Any, value: Any, path: str) -> Any:
@@ -118,7 +114,7 @@ def from_params(
             raise CheckpointError(f"{where}: parameter {name} has no place in the model built from its config")
         var = todo.pop(name)
         target = var.get_value()
-        var.set_value(_place(coerce(target, value, name), sharding_for(mesh, name, tuple(target.shape))))
+        var.set_value(_place(coerce(target, value, name), sharding_for(cfg, mesh, name, tuple(target.shape))))
     if todo:
         raise CheckpointError(f"{where}: {len(todo)} model parameter(s) missing, e.g. {next(iter(todo))}")
     return nnx.merge(graphdef, state)

@@ -64,6 +64,13 @@ class KernelPolicy:
     """(token, expert) pairs per expert from which a MoE layer counts as prefill (below: decode);
     256 is `mini`'s 2048-token chunk."""
 
+    expert_exchange_min_tokens: int = 256
+    """Tokens in a MoE layer's call from which, on a mesh, each device sends its pairs' rows to the experts'
+    devices (``k3jax.sharding.experts``: exchanged rows) rather than every expert device seeing every
+    token (replicated tokens, one psum). Not measured yet (no several-GPU machine lent by 2026-12-07):
+    256 keeps decode steps up to batch 255 replicated, where the exchange's two all-to-alls cost more
+    than the psum of [T, R]; prefill chunks exchange."""
+
     tiled_moe_at_prefill: bool = True
     """MXFP4 routed experts at prefill run as the tiled Mosaic GPU MoE, not the sorted dispatch.
     H200, 2026-12-02: `mini`'s 2048-token chunk MoE 20% faster; 8K prefill 60.9 against 66.6 ms."""

@@ -161,6 +161,13 @@ TINY_LINEAR = _small(
     bos_token_id=256, eos_token_id=257,
 )
 
+# tiny with counts that divide over 8 devices (4 KDA and 4 MLA heads, 8 routed experts): the sharding tests
+# split every rule's dim on meshes of 2, 4 and 8.
+TINY_MESH = _small(
+    TINY, num_attention_heads=4, num_key_value_heads=4, num_experts=8,
+    linear_attn_config={**TINY["text_config"]["linear_attn_config"], "num_heads": 4},
+)
+
 # The shipped trained model (k3jax/data/nano): every K3 mechanism at 6M parameters, byte-level (ids 0-255
 # bytes, 256 BOS, 257 EOS; the vocabulary padded to 320 as tiny's), KDA:MLA 3:1, AttnRes blocks of 2 layers
 # (4 blocks), 8 latent routed experts (top 2) and a shared one. Sized to train on a 2-core CPU in an hour.
@@ -193,6 +200,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "kimi-linear-48b": KIMI_LINEAR_48B,
     "tiny": TINY,
     "tiny_linear": TINY_LINEAR,
+    "tiny_mesh": TINY_MESH,
     "mini": MINI,
     "nano": NANO,
     "nano_plain_residual": NANO_PLAIN_RESIDUAL,

@@ -13,7 +13,7 @@ SCRIPT = textwrap.dedent(
     from k3jax.layers.mlp import activation
     from k3jax.layers.moe import MoE
     from k3jax.presets import preset
-    from k3jax.sharding import expert_parallel, expert_sharding
+    from k3jax.sharding import expert_sharding, on_mesh
 
     cfg = preset("tiny")
     assert len(jax.devices()) == 3
@@ -33,7 +33,7 @@ SCRIPT = textwrap.dedent(
             var.set_value(jax.tree.map(lambda a: jax.device_put(a, place), var.get_value()))
         leaf = jax.tree.leaves(sharded["experts"]["w1"])[0]
         assert len(leaf.addressable_shards) == 3 and leaf.addressable_shards[0].data.shape[0] == 2
-        with expert_parallel(mesh):
+        with on_mesh(mesh):
             got = jax.jit(lambda p, x: nnx.merge(graph, p)(x))(sharded, x)
         err = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
         print("packed", packed, "rel err", err)

@@ -13,7 +13,7 @@ stacks, ``routed_experts`` picks one of (``KernelPolicy`` decides where several 
   CPU) and at decode (on a GPU);
 - sorted: the reference's sorted dispatch with the grouped MX matmul kernel (``pallas_kernels.mx_matmul``).
 
-Under ``k3jax.sharding.expert_parallel`` the experts are split over the mesh and each device runs the
+Under ``k3jax.sharding.on_mesh`` the experts are split over the mesh and each device runs the
 tiled or sorted form on its own (``moe_expert_parallel``). ``select_experts`` has the reference's gradient
 (``pallas_kernels._autodiff.with_reference_gradient``; the expert ids none); the MXFP4 forms of
 ``routed_experts`` (split, tiled, the grouped MX matmul) are not differentiable.
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from k3jax.implementation import current
 from k3jax.mx import MXTensor
-from k3jax.sharding import expert_mesh
+from k3jax.sharding import current_mesh
 from k3jax.typing import Array
 from pallas_kernels import _platform
 from pallas_kernels._autodiff import with_reference_gradient
@@ -96,7 +96,7 @@ def routed_experts(x: Array, logits: Array, correction_bias: Array, w1, w3, w2, 
     """``k3jax.functional.moe.routed_experts`` (x [T, R], logits [T, E] float32), by the form the module
     docstring lists. Returns [T, R] in x's dtype; the split kernels return ``out_dtype`` where given (their
     float32 sums unrounded, for a caller that rounds them itself)."""
-    choice, mesh = current(), expert_mesh()
+    choice, mesh = current(), current_mesh()
     if choice.name == "reference" and mesh is None:
         return reference.routed_experts(x, logits, correction_bias, w1, w3, w2, act, k, renormalize, scaling_factor,
                                         dispatch)

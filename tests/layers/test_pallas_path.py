@@ -173,7 +173,7 @@ def test_moe_layer_tiled_at_decode(monkeypatch, tokens, mesh, mosaic):
     MoE at one token too. Where they do not, under the mesh: through the sorted dispatch on the Triton grouped
     kernel (a shard_map whose output-variance check refused every pallas_call failed to trace here). All match
     the reference path within bf16 rounding."""
-    from k3jax.sharding import expert_parallel, expert_sharding
+    from k3jax.sharding import expert_sharding, on_mesh
     from pallas_kernels.mx_matmul.mosaic_gpu_grouped import SPARSE_BM
 
     calls = []
@@ -191,7 +191,7 @@ def test_moe_layer_tiled_at_decode(monkeypatch, tokens, mesh, mosaic):
         # Auto axes: on an Explicit mesh (make_mesh's default) the Pallas interpreter of the matvec kernels
         # meets a sharding-type error (JAX 0.10.2)
         experts_mesh = jax.make_mesh((1,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,))
-        sharded, place = expert_parallel(experts_mesh), expert_sharding(experts_mesh, cfg.moe.num_experts)
+        sharded, place = on_mesh(experts_mesh), expert_sharding(experts_mesh, cfg.moe.num_experts)
         for name in ("w1", "w2", "w3"):
             var = params["experts"][name]
             var.set_value(jax.tree.map(lambda a: jax.device_put(a, place), var.get_value()))

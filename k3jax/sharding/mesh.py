@@ -1,0 +1,100 @@
+"""The mesh (axes data, expert, tensor), the with-block that runs a model on it, and parameters placed by
+the rules table.
+
+    mesh = make_mesh("expert=4,tensor=2")           # the other axes 1; their product = the device count
+    model = place(model, mesh)                     # each parameter split as k3jax.sharding.rules says
+    with on_mesh(mesh):
+        logits = jax.jit(forward)(params, tokens)  # XLA partitions the rest; the MoE exchanges rows itself
+
+Tensor and data parallelism come from the placement: XLA's partitioner follows the parameters' and
+tokens' shardings (a column-split projection then a row-split one: one reduction per block). The MoE
+layers, which route tokens data-dependently, run under ``shard_map`` (``k3jax.sharding.experts``) and read
+the mesh of the enclosing ``on_mesh`` at trace time, like the implementation switch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from typing import Any, Mapping
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from k3jax.implementation import scoped
+from k3jax.sharding.rules import MESH_AXES, ShardingError, batch_spec, param_spec
+
+_MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("k3jax_mesh", default=None)
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """'expert=4,tensor=2' -> {'data': 1, 'expert': 4, 'tensor': 2}; ValueError naming the part that is off."""
+    sizes = dict.fromkeys(MESH_AXES, 1)
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, value = part.partition("=")
+        if name not in sizes or not value.isdigit() or int(value) < 1:
+            raise ValueError(f"mesh: {part!r}; expected axis=size with axis one of {', '.join(MESH_AXES)} and "
+                             f"size a positive integer, e.g. 'expert=4,tensor=2'")
+        sizes[name] = int(value)
+    return sizes
+
+
+def make_mesh(sizes: str | Mapping[str, int], devices=None) -> Mesh:
+    """A mesh with axes (data, expert, tensor) over ``devices`` (default: all, over every process); ``sizes``
+    a mapping or 'expert=4,tensor=2' (absent axes 1). Their product must be the device count."""
+    sizes = parse_mesh(sizes) if isinstance(sizes, str) else {**dict.fromkeys(MESH_AXES, 1), **sizes}
+    unknown = set(sizes) - set(MESH_AXES)
+    if unknown:
+        raise ValueError(f"mesh: unknown axes {sorted(unknown)}; the axes are {', '.join(MESH_AXES)}")
+    devices = list(jax.devices() if devices is None else devices)
+    shape = tuple(sizes[a] for a in MESH_AXES)
+    if math.prod(shape) != len(devices):
+        raise ValueError(f"mesh: {dict(zip(MESH_AXES, shape))} needs {math.prod(shape)} devices; "
+                         f"{len(devices)} are available")
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=devices)
+
+
+def on_mesh(mesh: Mesh) -> contextlib.AbstractContextManager:
+    """Trace the model inside this block for ``mesh``: its MoE layers exchange tokens over ``expert``."""
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh: expected a jax.sharding.Mesh, got {type(mesh).__name__}")
+    return scoped(_MESH, mesh)
+
+
+def current_mesh() -> Mesh | None:
+    return _MESH.get()
+
+
+def _canonical(path: tuple) -> str:
+    """A state leaf's key path as the canonical dotted name, without nnx's ``value`` step (an MXTensor's
+    ``codes``/``scales`` keep theirs)."""
+    names = (str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+    return ".".join(n for n in names if n not in ("value", "raw_value"))
+
+
+def param_shardings(model: Any, mesh: Mesh) -> Any:
+    """The ``NamedSharding`` of every parameter of a ``K3Model`` (or of its ``nnx.State``, with the model's
+    config given by ``model.cfg``), as a pytree shaped like ``nnx.split(model)[1]``."""
+    state = nnx.state(model)
+    cfg = model.cfg
+
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: NamedSharding(mesh, param_spec(cfg, _canonical(path), tuple(leaf.shape), mesh)), state)
+
+
+def place(model: Any, mesh: Mesh) -> Any:
+    """``model`` with every parameter moved to its sharding on ``mesh`` (``param_shardings``)."""
+    graph, state = nnx.split(model)
+    state = jax.device_put(state, param_shardings(model, mesh))
+    return nnx.merge(graph, state)
+
+
+def place_batch(x: jax.Array, mesh: Mesh) -> jax.Array:
+    """Tokens or activations [B, ...] with the batch split over ``data`` where it divides."""
+    return jax.device_put(x, NamedSharding(mesh, batch_spec(x.shape[0], mesh, x.ndim)))
+
+
+__all__ = ["ShardingError", "current_mesh", "make_mesh", "on_mesh", "param_shardings", "parse_mesh", "place",
+           "place_batch"]

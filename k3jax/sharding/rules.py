@@ -1,0 +1,119 @@
+"""The sharding rules: every parameter's logical axes, and the mesh axis each logical axis lives on.
+
+Two tables, read by placement (``k3jax.load(..., mesh=)``, ``place``), generation, training and
+``k3jax memory --mesh`` alike; no module carries sharding code of its own.
+
+``PARAM_AXES``: a parameter's canonical path (``layers.7.self_attn.q_proj.weight``) -> the logical
+axis of each of its dims (None: not split). ``RULES``: logical axis -> mesh axis:
+
+    experts  routed-expert stacks [E, ...]                       -> expert
+    heads    KDA and MLA heads (projections into and out of them) -> tensor
+    mlp      dense-MLP and shared-expert widths                   -> tensor
+    vocab    embedding and output-head rows                       -> tensor
+    batch    activations' and caches' batch                       -> data
+
+A dim is split only where the mesh axis divides it (for ``heads``: divides the layer's head count, so a
+device holds whole heads); otherwise it stays whole on every device, as does every dim of a
+parameter whose logical axes are all None (norms, the router, the MLA down projections, the latent
+maps). The MLA latent cache is never split by heads: every head reads all of it (its up projections
+are absorbed into the query and output), so splitting by heads would mean caching per-head keys and
+values, H x (192 + 128) values a token against 576.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Mapping
+
+from jax.sharding import Mesh, PartitionSpec
+
+from k3jax.config import K3Config
+
+DATA, EXPERT, TENSOR = "data", "expert", "tensor"
+MESH_AXES = (DATA, EXPERT, TENSOR)
+
+RULES: Mapping[str, str] = {"experts": EXPERT, "heads": TENSOR, "mlp": TENSOR, "vocab": TENSOR, "batch": DATA}
+
+_HEADS_IN = ("heads", None)  # [heads x head dim, input]
+_HEADS_OUT = (None, "heads")  # [D, heads x head dim]
+_WHOLE = ()  # every dim whole (the tuple is padded with None)
+
+# (regex searched in the canonical path, logical axes of the leading dims); the first match wins
+PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
+    (r"^(embed_tokens|lm_head)\.weight$", ("vocab", None)),
+    (r"\.experts\.w[123]$", ("experts", None, None)),
+    (r"\.(mlp|shared_experts)\.(gate_proj|up_proj)\.weight$", ("mlp", None)),
+    (r"\.(mlp|shared_experts)\.down_proj\.weight$", (None, "mlp")),
+    # KDA: q, k, v, output gate, beta, the gate's up maps, the short convs, A_log, dt_bias; MLA: q (or q_b),
+    # kv_b; both: o_proj
+    (r"\.self_attn\.(q|k|v|g|b|q_b|kv_b)_proj\.weight$", _HEADS_IN),
+    (r"\.self_attn\.(f_b|g_b)_proj\.weight$", _HEADS_IN),
+    (r"\.self_attn\.[qkv]_conv1d\.weight$", ("heads", None, None)),
+    (r"\.self_attn\.(A_log|dt_bias)$", ("heads",)),
+    (r"\.self_attn\.o_proj\.weight$", _HEADS_OUT),
+    (r"\.self_attn\.(f_a|g_a|q_a|kv_a)_proj(_with_mqa)?\.weight$", _WHOLE),
+    (r"\.block_sparse_moe\.(gate\.weight|gate\.e_score_correction_bias)$", _WHOLE),
+    (r"\.block_sparse_moe\.routed_expert_(down|up)_proj\.weight$", _WHOLE),
+    (r"(norm|layernorm|_res\.proj)\.weight$", _WHOLE),
+)
+
+
+class ShardingError(ValueError):
+    """A parameter the table does not cover, or a mesh the model cannot use."""
+
+
+def logical_axes(path: str, ndim: int) -> tuple[str | None, ...]:
+    """The logical axis of each of a parameter's ``ndim`` dims (None: whole); ``ShardingError`` for a path the
+    table does not know."""
+    for pattern, axes in PARAM_AXES:
+        if re.search(pattern, path):
+            return tuple(axes) + (None,) * (ndim - len(axes))
+    raise ShardingError(f"{path}: no entry in k3jax.sharding.rules.PARAM_AXES says how to split it")
+
+
+def _heads(cfg: K3Config, path: str) -> int:
+    layer = re.match(r"layers\.(\d+)\.", path)
+    if layer is None:
+        raise ShardingError(f"{path}: a head-split parameter outside a layer")
+    return cfg.kda.num_heads if cfg.layer_types[int(layer.group(1))] == "kda" else cfg.mla.num_heads
+
+
+def mesh_axis(logical: str | None, size: int, mesh: Mesh, units: int | None = None) -> str | None:
+    """The mesh axis a dim of ``size`` with logical axis ``logical`` is split over: the rule's, when the mesh
+    has it with more than one device and it divides ``units`` (heads; default ``size``); else None."""
+    axis = RULES.get(logical) if logical else None
+    if axis is None or axis not in mesh.axis_names or mesh.shape[axis] == 1:
+        return None
+    return axis if (units if units is not None else size) % mesh.shape[axis] == 0 else None
+
+
+def param_spec(cfg: K3Config, path: str, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
+    """Where a parameter's dims live on ``mesh``, from the two tables. ``path``: canonical dotted path (an
+    ``MXTensor``'s ``.codes``/``.scales`` take their parameter's rule: the blocks run along the last dim)."""
+    path = re.sub(r"\.(codes|scales)$", "", path)
+    axes = logical_axes(path, len(shape))
+    return PartitionSpec(*(mesh_axis(a, n, mesh, _heads(cfg, path) if a == "heads" else None)
+                           for a, n in zip(axes, shape)))
+
+
+def batch_spec(batch: int, mesh: Mesh, ndim: int) -> PartitionSpec:
+    """Activations or caches [B, ...]: batch over ``data`` when it divides."""
+    return PartitionSpec(mesh_axis("batch", batch, mesh), *(None,) * (ndim - 1))
+
+
+def spec_bytes(shape: tuple[int, ...], itemsize: float, spec: PartitionSpec, mesh: Mesh) -> float:
+    """Bytes one device holds of an array of ``shape`` placed by ``spec``."""
+    n = 1.0
+    for size, axis in zip(shape, tuple(spec) + (None,) * len(shape)):
+        n *= size / (mesh.shape[axis] if axis else 1)
+    return n * itemsize
+
+
+def describe(spec: PartitionSpec) -> str:
+    """'[expert, -, -]'-style text of a spec."""
+    return "[" + ", ".join(a if a else "-" for a in spec) + "]"
+
+
+__all__ = ["DATA", "EXPERT", "MESH_AXES", "PARAM_AXES", "RULES", "ShardingError", "TENSOR", "batch_spec",
+           "describe", "logical_axes", "mesh_axis", "param_spec", "spec_bytes"]
+
