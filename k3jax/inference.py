@@ -15,6 +15,7 @@ as long as a whole decode step of a small model on a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -23,10 +24,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from k3jax import arguments
 from k3jax.model import K3Model
 from k3jax.sampling import Sampling, sample, token_logprobs
+from k3jax.sharding.mesh import constrain_cache, on_mesh
 from k3jax.typing import Array
 
 
@@ -97,13 +100,16 @@ class Generator:
     dispatches once per that many tokens; tokens reach the host, ``on_token`` and the stop checks in bursts of that
     many, and up to twice that many steps may run past the last stop or max_new_tokens (their tokens dropped);
     deterministic: on a GPU, compile every call with ``DETERMINISTIC_GPU_OPTIONS``, so a seed gives the same tokens
-    and logprobs in every process, not only within one.
+    and logprobs in every process, not only within one;
+    mesh: run on this ``k3jax.sharding`` mesh (the model's parameters placed on it, ``k3jax.sharding.place`` or
+    ``k3jax.load(..., mesh=)``): the caches are held as ``k3jax.sharding.rules.CACHE_AXES`` says (batch over
+    ``data``, KDA heads over ``tensor``) and the MoE layers run expert-parallel.
     """
 
     def __init__(
         self, model: K3Model, max_len: int = 2048, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, cache_dtype=None,
         scan_layers: bool = False, attend_block: int = 256, steps_per_call: int = DEFAULT_STEPS_PER_CALL,
-        deterministic: bool = False,
+        deterministic: bool = False, mesh: Mesh | None = None,
     ):
         if not isinstance(model, K3Model):
             raise TypeError(f"model: expected a K3Model, got {type(model).__name__}")
@@ -111,7 +117,9 @@ class Generator:
         prefill_chunk = arguments.integer("prefill_chunk", prefill_chunk, minimum=1)
         attend_block = arguments.integer("attend_block", attend_block, minimum=1)
         steps_per_call = arguments.integer("steps_per_call", steps_per_call, minimum=1)
-        self.cfg = model.cfg
+        if mesh is not None and not isinstance(mesh, Mesh):
+            raise TypeError(f"mesh: expected a jax.sharding.Mesh (k3jax.sharding.make_mesh), got {type(mesh).__name__}")
+        self.cfg, self.mesh = model.cfg, mesh
         self.max_len, self.prefill_chunk, self.scan_layers = max_len, prefill_chunk, scan_layers
         self.attend_block, self.steps_per_call = attend_block, steps_per_call
         self.cache_dtype = cache_dtype or model.embed_tokens.weight.dtype
@@ -135,7 +143,9 @@ class Generator:
         return nnx.merge(self._graph, jax.tree_util.tree_unflatten(self._treedef, weights))
 
     def _extend_fn(self, weights, tokens, cache, start, lengths, logits_at=None, window=None, head=True):
-        return self._merged(weights).extend(tokens, cache, start, lengths, self.scan_layers, logits_at, window, head)
+        with contextlib.nullcontext() if self.mesh is None else on_mesh(self.mesh):
+            return self._merged(weights).extend(tokens, cache, start, lengths, self.scan_layers, logits_at, window,
+                                                head)
 
     def _chunk_fn(self, weights, tokens, cache, start, lengths, logits_at, last, ends_here, window):
         """One prefill chunk into the cache; ``last`` [B, D] takes the final hidden state of the prompts that end in
@@ -144,7 +154,8 @@ class Generator:
         return jnp.where(ends_here[:, None], hidden[:, 0].astype(last.dtype), last), cache
 
     def _init_cache_fn(self, batch: int) -> list:
-        return self._model.init_cache(batch, self.max_len, self.cache_dtype, self.scan_layers)
+        cache = self._model.init_cache(batch, self.max_len, self.cache_dtype, self.scan_layers)
+        return cache if self.mesh is None else constrain_cache(cache, self.mesh)
 
     def _logits_fn(self, weights, hidden):
         return self._merged(weights).logits(hidden)

@@ -24,7 +24,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from k3jax.implementation import scoped
-from k3jax.sharding.rules import MESH_AXES, ShardingError, batch_spec, param_spec
+from k3jax.sharding.rules import MESH_AXES, ShardingError, batch_spec, cache_spec, param_spec
 
 _MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("k3jax_mesh", default=None)
 
@@ -84,6 +84,15 @@ def param_shardings(model: Any, mesh: Mesh) -> Any:
         lambda path, leaf: NamedSharding(mesh, param_spec(cfg, _canonical(path), tuple(leaf.shape), mesh)), state)
 
 
+def constrain_cache(cache: Any, mesh: Mesh) -> Any:
+    """An inference cache (inside a jitted function) held where ``rules.CACHE_AXES`` says."""
+    def one(path, leaf):
+        field = getattr(path[-1], "name", None)
+        return jax.lax.with_sharding_constraint(leaf, NamedSharding(mesh, cache_spec(field, leaf.shape, mesh)))
+
+    return jax.tree_util.tree_map_with_path(one, cache)
+
+
 def place(model: Any, mesh: Mesh) -> Any:
     """``model`` with every parameter moved to its sharding on ``mesh`` (``param_shardings``)."""
     graph, state = nnx.split(model)
@@ -96,5 +105,5 @@ def place_batch(x: jax.Array, mesh: Mesh) -> jax.Array:
     return jax.device_put(x, NamedSharding(mesh, batch_spec(x.shape[0], mesh, x.ndim)))
 
 
-__all__ = ["ShardingError", "current_mesh", "make_mesh", "on_mesh", "param_shardings", "parse_mesh", "place",
+__all__ = ["ShardingError", "constrain_cache", "current_mesh", "make_mesh", "on_mesh", "param_shardings", "parse_mesh", "place",
            "place_batch"]

@@ -96,6 +96,24 @@ def param_spec(cfg: K3Config, path: str, shape: tuple[int, ...], mesh: Mesh) -> 
                            for a, n in zip(axes, shape)))
 
 
+# an inference cache's arrays (``KDAState``, ``MLACache`` fields) -> the logical axes of their trailing dims (leading
+# dims: a scanned group's stacked layers). The conv inputs hold q, k and v channels side by side, not whole heads.
+CACHE_AXES: Mapping[str, tuple[str | None, ...]] = {
+    "recurrent": ("batch", "heads", None, None),  # KDA state [B, H, K, V]
+    "conv": ("batch", None, None),  # KDA short-conv inputs [B, W-1, 3*H*K]
+    "c_kv": ("batch", None, None),  # MLA latents [B, S, R]: every head reads all of them
+    "k_pe": ("batch", None, None),  # [B, S, P]
+}
+
+
+def cache_spec(field: str, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
+    """Where a cache array (``CACHE_AXES`` field ``field``) lives: batch over ``data``, KDA heads over ``tensor``
+    (each where it divides)."""
+    axes = CACHE_AXES[field]
+    lead = len(shape) - len(axes)
+    return PartitionSpec(*(None,) * lead, *(mesh_axis(a, n, mesh) for a, n in zip(axes, shape[lead:])))
+
+
 def batch_spec(batch: int, mesh: Mesh, ndim: int) -> PartitionSpec:
     """Activations or caches [B, ...]: batch over ``data`` when it divides."""
     return PartitionSpec(mesh_axis("batch", batch, mesh), *(None,) * (ndim - 1))
@@ -114,6 +132,6 @@ def describe(spec: PartitionSpec) -> str:
     return "[" + ", ".join(a if a else "-" for a in spec) + "]"
 
 
-__all__ = ["DATA", "EXPERT", "MESH_AXES", "PARAM_AXES", "RULES", "ShardingError", "TENSOR", "batch_spec",
-           "describe", "logical_axes", "mesh_axis", "param_spec", "spec_bytes"]
+__all__ = ["CACHE_AXES", "DATA", "EXPERT", "MESH_AXES", "PARAM_AXES", "RULES", "ShardingError", "TENSOR", "batch_spec",
+           "cache_spec", "describe", "logical_axes", "mesh_axis", "param_spec", "spec_bytes"]
 
