@@ -3,7 +3,7 @@
     k3jax generate [--model PATH | --preset NAME] [--prompt TEXT] [--max-tokens N] [sampling flags] [--stream]
                    [--progress | --no-progress] [--prefill-chunk N] [--steps-per-call N] [--deterministic]
     k3jax train [--out FOLDER] [--preset NAME] [--steps N] ...   (every ``TrainConfig`` field is a flag)
-    k3jax memory [--config NAME] [--context N] [--batch N]
+    k3jax memory [--config NAME] [--context N] [--batch N] [--mesh expert=8,tensor=8]
     k3jax info [--config NAME]
     k3jax convert ...            (see ``k3jax convert --help``)
 
@@ -33,6 +33,7 @@ from k3jax.arguments import ids, integer, real
 from k3jax.config import ConfigError
 from k3jax.inference import DEFAULT_PREFILL_CHUNK, DEFAULT_STEPS_PER_CALL
 from k3jax.presets import PRESETS, preset
+from k3jax.sharding.mesh import parse_mesh
 from k3jax.tokenizer import TokenizerError
 from k3jax.train_cli import add_parser as add_train_parser
 
@@ -102,9 +103,14 @@ def _check_generate(args: argparse.Namespace) -> None:
 
 
 def _check_memory(args: argparse.Namespace) -> None:
-    """``memory``'s flags: a positive context length and batch."""
+    """``memory``'s flags: a positive context length and batch, and a mesh of known axes and positive sizes."""
     integer("--context", args.context, minimum=1)
     integer("--batch", args.batch, minimum=1)
+    if args.mesh is not None:
+        try:
+            parse_mesh(args.mesh)
+        except ValueError as err:
+            raise ValueError(f"--{err}") from None  # parse_mesh's message starts 'mesh: '
 
 
 def _model(args: argparse.Namespace):
@@ -188,7 +194,7 @@ def _summary(out, prompt_tokens: int, eos: int | None, max_tokens: int) -> str:
 def _memory(args: argparse.Namespace) -> int:
     from k3jax.memory import report
 
-    print(report(preset(args.config), args.context, args.batch))
+    print(report(preset(args.config), args.context, args.batch, mesh=args.mesh))
     return 0
 
 
@@ -241,10 +247,12 @@ def _parser() -> argparse.ArgumentParser:
 
     add_train_parser(sub)
 
-    mem = sub.add_parser("memory", help="memory for weights and caches at a context length")
+    mem = sub.add_parser("memory", help="memory for weights and caches at a context length (per device on a mesh)")
     mem.add_argument("--config", default="kimi-k3", choices=sorted(PRESETS))
     mem.add_argument("--context", type=int, default=131072, help="tokens per sequence (default: %(default)s)")
     mem.add_argument("--batch", type=int, default=1, help="sequences (default: %(default)s)")
+    mem.add_argument("--mesh", default=None, help="mesh sizes, e.g. expert=8,tensor=8 (axes data, expert, tensor; "
+                     "absent axes 1): print what one device holds and sends per token (no devices needed)")
     mem.set_defaults(func=_memory, check_flags=_check_memory)
 
     info = sub.add_parser("info", help="layers and parameter counts of a preset")

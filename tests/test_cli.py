@@ -169,3 +169,12 @@ def test_convert_is_delegated_with_its_own_flags(tmp_path):
     holds flags of its own, a ``--check`` among them)."""
     assert main(["convert", "--synthetic", "tiny", str(tmp_path / "k3-tiny")]) == 0
     assert (tmp_path / "k3-tiny" / "config.json").exists()
+
+
+def test_memory_per_device_on_a_mesh(capsys):
+    argv = ["memory", "--config", "tiny_mesh", "--mesh", "data=2,expert=2,tensor=2", "--context", "100", "--batch", "4"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("tiny_mesh on a mesh of 8 devices (data=2, expert=2, tensor=2): context 100 tokens, batch 4")
+    assert "(2 sequences x 2 of 4 heads, float32)" in out  # batch over data, heads over tensor
+    assert "KDA attention: all-reduce over tensor                 96       6           576" in out  # 2(n-1)/n x 2D
