@@ -2,12 +2,13 @@
 
     k3jax generate [--model PATH | --preset NAME] [--prompt TEXT] [--max-tokens N] [sampling flags] [--stream]
                    [--progress | --no-progress] [--prefill-chunk N] [--steps-per-call N] [--deterministic]
+                   [--mesh expert=4,tensor=2]
     k3jax train [--out FOLDER] [--preset NAME] [--steps N] ...   (every ``TrainConfig`` field is a flag)
     k3jax memory [--config NAME] [--context N] [--batch N] [--mesh expert=8,tensor=8]
     k3jax info [--config NAME]
     k3jax convert ...            (see ``k3jax convert --help``)
 
-With no model, ``generate`` runs the embedded default: ``nano`` (every K3 mechanism, 10.6M parameters)
+With no model, ``generate`` runs the embedded default: ``nano`` (every K3 mechanism, 6.0M parameters)
 trained on the King James Bible, shipped in ``k3jax/data/nano`` with routed experts in MXFP4, and the
 byte-level tokenizer. ``--preset`` builds a preset with random weights instead.
 
@@ -100,6 +101,11 @@ def _check_generate(args: argparse.Namespace) -> None:
     integer("--seed", args.seed, minimum=-2**63, maximum=2**63 - 1)
     integer("--prefill-chunk", args.prefill_chunk, minimum=1)
     integer("--steps-per-call", args.steps_per_call, minimum=1)
+    if args.mesh is not None:
+        try:
+            parse_mesh(args.mesh)
+        except ValueError as err:
+            raise ValueError(f"--{err}") from None
 
 
 def _check_memory(args: argparse.Namespace) -> None:
@@ -113,17 +119,29 @@ def _check_memory(args: argparse.Namespace) -> None:
             raise ValueError(f"--{err}") from None  # parse_mesh's message starts 'mesh: '
 
 
-def _model(args: argparse.Namespace):
+def _model(args: argparse.Namespace, mesh=None):
     """The checkpoint of ``--model``, the ``--preset`` with random weights (seeded by ``--seed``), or by
-    default the shipped trained ``nano``."""
+    default the shipped trained ``nano``; placed on ``mesh`` when given."""
     from flax import nnx
 
     from k3jax.checkpoint import load
     from k3jax.model import K3Model
+    from k3jax.sharding import place
 
     if args.preset is not None:
-        return K3Model(preset(args.preset), rngs=nnx.Rngs(args.seed))
-    return load(args.model or SHIPPED_MODEL, verify=args.verify)
+        model = K3Model(preset(args.preset), rngs=nnx.Rngs(args.seed))
+        return model if mesh is None else place(model, mesh)
+    return load(args.model or SHIPPED_MODEL, mesh=mesh, verify=args.verify)
+
+
+def _mesh(text: str):
+    """``--mesh``'s devices as a ``k3jax.sharding`` mesh; CommandError if they are not this machine's."""
+    from k3jax.sharding import make_mesh
+
+    try:
+        return make_mesh(text)
+    except ValueError as err:
+        raise CommandError(f"--{err}") from None
 
 
 def _prompt_ids(args: argparse.Namespace, tokenizer, vocab_size: int) -> list[int]:
@@ -143,11 +161,12 @@ def _generate(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     tokenizer = load_tokenizer(args.model)  # before the model: a tokenizer that cannot load fails in a moment
-    model = _model(args)
+    mesh = None if args.mesh is None else _mesh(args.mesh)
+    model = _model(args, mesh)
     prompt = _prompt_ids(args, tokenizer, model.cfg.vocab_size)
     eos = model.cfg.extra.get("eos_token_id", tokenizer.eos_id)
     generator = Generator(model, max_len=len(prompt) + args.max_tokens, prefill_chunk=args.prefill_chunk,
-                          steps_per_call=args.steps_per_call, deterministic=args.deterministic)
+                          steps_per_call=args.steps_per_call, deterministic=args.deterministic, mesh=mesh)
     source = ("random weights" if args.preset is not None else args.model if args.model is not None
               else "trained on the King James Bible, shipped")
     print(f"[{model.cfg.name}: {model.cfg.num_layers} layers, {source}; ready in {time.perf_counter() - start:.1f} s]",
@@ -243,6 +262,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--deterministic", action="store_true",
                      help="on a GPU, the same tokens in every process for a seed, not only within one (slower: "
                      "k3jax.inference.DETERMINISTIC_GPU_OPTIONS)")
+    gen.add_argument("--mesh", default=None, help="run on several devices, e.g. 'expert=4,tensor=2' (axes data, "
+                     "expert, tensor; their product = the device count; docs/scaling.md)")
     gen.set_defaults(func=_generate, check_flags=_check_generate)
 
     add_train_parser(sub)

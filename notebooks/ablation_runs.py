@@ -1,7 +1,8 @@
 """The ablation behind notebooks/training_and_ablation.ipynb: nano against nano with plain residuals and
 nano with Kimi Linear's unbounded gate, at equal compute (same steps, batch, length, schedule and seed).
 
-    python notebooks/ablation_runs.py [--steps 1000] [--out notebooks/runs/ablation] [--variants nano,...]
+    python notebooks/ablation_runs.py [--steps 1000] [--batch 16] [--eval-bytes 0] [--out notebooks/runs/ablation]
+                                      [--variants nano,...]
 
 Each variant trains with ``k3jax.train.train`` into ``OUT/<preset>/`` (``metrics.jsonl``, written as it
 goes, ``train_config.json`` and ``summary.json``); its checkpoints are deleted once the run completes. Three runs of the default 1000 steps are GPU work (the shipped nano's 800 steps took 39 minutes
@@ -34,6 +35,9 @@ def run(config: TrainConfig, out: Path, variants=VARIANTS, stream=sys.stderr, co
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=1000)
+    ap.add_argument("--batch", type=int, default=TrainConfig.batch)
+    ap.add_argument("--eval-bytes", type=int, default=TrainConfig.eval_bytes,
+                    help="held-out bytes each evaluation reads (0: all)")
     ap.add_argument("--out", default="notebooks/runs/ablation")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated presets (one process each "
                     "can run them side by side)")
@@ -42,7 +46,8 @@ def main() -> int:
     unknown = set(variants) - set(VARIANTS)
     if unknown:
         ap.error(f"--variants: unknown {sorted(unknown)}; expected some of {', '.join(VARIANTS)}")
-    config = TrainConfig(steps=args.steps, eval_every=max(1, args.steps // 10), checkpoint_every=args.steps)
+    config = TrainConfig(steps=args.steps, batch=args.batch, eval_bytes=args.eval_bytes,
+                         eval_every=max(1, args.steps // 10), checkpoint_every=args.steps)
     for name, summary in run(config, Path(args.out), variants).items():
         print(name, summary["held_out"]["float32"])
     return 0

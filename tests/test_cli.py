@@ -117,6 +117,8 @@ def test_info_prints_parameter_counts(capsys):
         (["--model", "{tmp}/absent"], "--model"),
         (["--model", "{tmp}", "--preset", "tiny"], "--preset"),
         (["--preset", "huge"], "--preset"),
+        (["--mesh", "expert=x"], "--mesh"),
+        (["--mesh", "pipeline=2"], "--mesh"),
     ],
 )
 def test_generate_refuses_bad_flags_before_building_a_model(capsys, no_model, tmp_path, argv, flag):
@@ -144,14 +146,14 @@ def test_prompt_ids_the_model_cannot_read_are_one_line(capsys, monkeypatch):
         def encode(self, text):
             return [1, 999]
 
-    monkeypatch.setattr(cli, "_model", lambda args: build("tiny_linear").model)
+    monkeypatch.setattr(cli, "_model", lambda args, mesh: build("tiny_linear").model)
     monkeypatch.setattr("k3jax.tokenizer.load_tokenizer", lambda folder: WideTokenizer())
     assert main(["generate"]) == 1
     one_line_error(capsys, "--prompt: token id 999 outside the vocabulary [0, 320)")
 
 
 def test_interrupt_ends_with_status_130_and_no_traceback(capsys, monkeypatch):
-    def interrupted(args):
+    def interrupted(args, mesh):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(cli, "_model", interrupted)
