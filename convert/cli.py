@@ -2,6 +2,7 @@
 
     k3jax convert SRC OUT [--dtype {bf16,f16,f32}] [--dequantize bf16] [--resume] [--verify]
                       [--allow-unknown] [--part-mb N] [--inflight-mb N] [--quiet]
+                      [--process-index K --process-count N [--wait-minutes M]]
     k3jax convert --export CKPT OUT [--quiet]
     k3jax convert --check CKPT [--quiet]
     k3jax convert --synthetic PRESET OUT [--dtype {bf16,f16,f32}] [--seed S] [--shard-mb N] [--lazy]
@@ -10,6 +11,10 @@ Also runnable as ``python -m convert.cli ...``. Progress goes to stderr, one sum
 was written or verified to stdout. Exit status 0 on success, 1 on a checkpoint, config, conversion
 or file-system error, 2 on a bad command line, 130 when interrupted; each error is one line on
 stderr naming the file, tensor or flag and what was expected.
+
+With ``--process-count N``, N processes (one a host, OUT on a file system all share) each run the same
+command with their own ``--process-index`` and write every N-th part; process 0 waits for the others'
+parts and finishes OUT (docs/multi_host.md).
 """
 
 from __future__ import annotations
@@ -22,18 +27,25 @@ from typing import NoReturn
 from convert.progress import size
 
 PROG = "k3jax convert"
-_CONVERSION = ("dequantize", "resume", "verify", "allow_unknown", "part_mb", "inflight_mb")
+_CONVERSION = ("dequantize", "resume", "verify", "allow_unknown", "part_mb", "inflight_mb", "process_index",
+               "process_count", "wait_minutes")
 _SYNTHETIC = ("seed", "shard_mb", "lazy")
 
 
-def _megabytes(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of MB, got {text!r}")
-    return value
+def _positive(unit: str):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = 0.0
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"expected a positive number of {unit}, got {text!r}")
+        return value
+
+    return parse
+
+
+_megabytes, _minutes = _positive("MB"), _positive("minutes")
 
 
 def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -56,6 +68,13 @@ def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--part-mb", type=_megabytes, default=None, help="orbax part size in MB (the unit of --resume; 128)")
     p.add_argument("--inflight-mb", type=_megabytes, default=None,
                    help="MB of parts being assembled or written at once (peak memory ~ max(this, largest tensor); 768)")
+    p.add_argument("--process-index", type=int, default=None, help="this process's index K among --process-count "
+                                                                    "processes converting together (writes parts K, K+N, ...)")
+    p.add_argument("--process-count", type=int, default=None, help="N processes convert together into OUT.partial; "
+                                                                    "process 0 finishes OUT")
+    p.add_argument("--wait-minutes", type=_minutes, default=None,
+                   help="with --process-count: how long a process waits for the others (process 0: with no part "
+                        "completed) before it fails (30)")
     p.add_argument("--seed", type=int, default=None, help="--synthetic: random seed (0)")
     p.add_argument("--shard-mb", type=_megabytes, default=None, help="--synthetic: shard size in MB (default: model/4)")
     p.add_argument("--lazy", action="store_true", help="--synthetic: stream random tensors (multi-GB checkpoints)")
@@ -90,6 +109,13 @@ def check(args: argparse.Namespace) -> None:
         raise ValueError(f"{wrong[0]} does not apply to {'a conversion' if mode == 'convert' else '--' + mode}")
     if (mode == "check") != (args.out is None):
         raise ValueError("--check takes one folder, CKPT" if mode == "check" else "OUT: missing; give the output folder")
+    if (args.process_index is None) != (args.process_count is None):
+        raise ValueError("--process-index and --process-count go together")
+    if args.process_count is not None and not 0 <= args.process_index < args.process_count:
+        raise ValueError(f"--process-index {args.process_index}: expected 0 <= K < --process-count "
+                         f"({args.process_count})")
+    if args.wait_minutes is not None and args.process_count is None:
+        raise ValueError("--wait-minutes applies only with --process-count")
     if mode == "synthetic" and args.src not in PRESETS:
         raise ValueError(f"--synthetic {args.src}: unknown preset; choose one of {sorted(PRESETS)}")
 
@@ -117,7 +143,12 @@ def _run(args: argparse.Namespace) -> str:
         return f"wrote {args.out}: synthetic {args.src} checkpoint, {_files(Path(args.out))}"
     out = convert(args.src, args.out, dtype=args.dtype, dequantize=args.dequantize, resume=args.resume,
                   verify=args.verify, quiet=args.quiet, allow_unknown=args.allow_unknown,
-                  part_bytes=int((args.part_mb or 128) * 2**20), inflight_bytes=int((args.inflight_mb or 768) * 2**20))
+                  part_bytes=int((args.part_mb or 128) * 2**20), inflight_bytes=int((args.inflight_mb or 768) * 2**20),
+                  process_index=args.process_index or 0, process_count=args.process_count or 1,
+                  wait_s=(args.wait_minutes or 30) * 60)
+    if args.process_index:
+        return (f"wrote the parts of process {args.process_index} of {args.process_count} into {out}; process 0 "
+                f"finishes {args.out}")
     man = read_manifest(out)
     stored = sum(sum(p["files"].values()) for p in man["parts"].values())
     dtypes = sorted({p["dtype"] for p in man["params"].values()})

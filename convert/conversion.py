@@ -9,7 +9,9 @@ of about ``part_bytes`` with a CRC-32 per array; peak memory is about max(``infl
 largest single tensor) plus fixed overhead. Output goes to ``<out>.partial/`` (``convert.partial``)
 and is renamed to ``<out>`` only when complete (and verified, if asked); ``resume=True`` continues
 an interrupted run, skipping finished parts. Reading the next part overlaps writing earlier ones
-(one writer thread; at most ``inflight_bytes`` in flight).
+(one writer thread; at most ``inflight_bytes`` in flight). Several processes (e.g. one a host) can
+convert together into a shared folder, each writing every n-th part (``process_index``,
+``process_count``; ``convert.partial.Share``); process 0 writes the manifest once all are complete.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from convert.names import (
 )
 from convert.orbax_io import write_json
 from convert.partial import (
-    ConversionError, discard, drop_part, finish, iter_todo, part_entries, partial_of, prepare, write_parts,
+    ConversionError, Share, discard, drop_part, finish, iter_todo, join, part_entries, partial_of, prepare,
+    wait_for_parts, write_parts,
 )
 from convert.progress import Progress, size
 from convert.safetensors_io import DTYPES, CheckpointError, SourceCheckpoint, TensorInfo, open_checkpoint, read_tensor
@@ -291,7 +294,7 @@ def _check_free_space(out: Path, needed: int) -> None:
 def convert(
     source: str | Path, out: str | Path, *, dtype: CastTo = None, dequantize: Dequantize = None, resume: bool = False,
     verify: bool = False, quiet: bool = False, allow_unknown: bool = False, part_bytes: int = 128 << 20,
-    inflight_bytes: int = 768 << 20,
+    inflight_bytes: int = 768 << 20, process_index: int = 0, process_count: int = 1, wait_s: float = 1800,
 ) -> Path:
     """Convert the released checkpoint folder ``source`` into the k3jax checkpoint ``out``.
 
@@ -300,6 +303,13 @@ def convert(
     ``<out>.partial``; ``verify`` re-reads the output and compares it bit for bit before the final
     rename. ``part_bytes`` sizes the orbax parts (the unit of resuming); ``inflight_bytes`` bounds
     the parts being assembled or written at once (memory). Returns ``out``.
+
+    ``process_index`` / ``process_count``: this is process k of n converting together (same arguments,
+    one folder all can write): it writes parts k, k + n, ... Process 0 prepares ``<out>.partial`` (the
+    others wait for it, up to ``wait_s``), then waits for every part (failing once none completed for
+    ``wait_s``), writes the manifest, verifies (all parts) and renames; the others return ``<out>.partial``
+    when their parts are written. A run that failed is finished by rerunning with ``resume``, as n
+    processes or as one.
 
     Raises ``CheckpointError`` for bad input: found while planning, nothing was written; found in a
     tensor's data midway (a NaN scale byte), ``<out>.partial`` is removed and the message says so.
@@ -311,6 +321,7 @@ def convert(
         raise ValueError(f"dtype: {dtype!r}; expected None or one of {sorted(CASTS)}")
     if dequantize not in (None, "bf16"):
         raise ValueError(f"dequantize: {dequantize!r}; expected None or 'bf16'")
+    share = Share(process_index, process_count)
     if out.exists():
         raise ConversionError(f"{out}: already exists; remove it or choose another output path")
     partial = partial_of(out)
@@ -318,10 +329,14 @@ def convert(
     parts = split_parts(pl.jobs, part_bytes, dequantize, dtype)
     sizes = [sum(out_bytes(j, dequantize, dtype) for j in jobs) for jobs in parts]
     fingerprint = _fingerprint(pl, parts, dequantize, dtype)
-    if not partial.exists():
-        _check_free_space(out, sum(sizes))
-    prepare(partial, fingerprint, resume)
-    bar = Progress(sum(j.read_bytes for j in pl.jobs), f"convert {source.name}", quiet=quiet)
+    if share.index:
+        join(partial, fingerprint, share, wait_s)
+    else:
+        if not partial.exists():
+            _check_free_space(out, sum(sizes))
+        prepare(partial, fingerprint, resume, share)
+    mine = [i for i in range(len(parts)) if share.owns(i)]
+    bar = Progress(sum(j.read_bytes for i in mine for j in parts[i]), f"convert {source.name}", quiet=quiet)
 
     def part(i: int) -> dict[str, np.ndarray]:
         leaves: dict[str, np.ndarray] = {}
@@ -333,8 +348,11 @@ def convert(
     skip = lambda i: bar.advance(sum(j.read_bytes for j in parts[i]), skipped=True)
     try:
         write_parts(partial, len(parts), ((i, sizes[i], functools.partial(part, i))
-                                          for i in iter_todo(partial, len(parts), skip)), inflight_bytes)
+                                          for i in iter_todo(partial, len(parts), skip, share)), inflight_bytes)
         bar.close()
+        if share.index:
+            return partial
+        wait_for_parts(partial, len(parts), wait_s)
         shutil.copyfile(source / "config.json", partial / "config.json")
         write_json(partial / MANIFEST, manifest(pl, parts, part_entries(partial, len(parts)), dequantize, dtype))
         if verify:

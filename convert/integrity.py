@@ -23,7 +23,7 @@ import numpy as np
 
 from k3jax.json_schema import inside
 from convert.manifest import MANIFEST, PARTS, read_manifest
-from convert.orbax_io import read_part
+from convert.orbax_io import map_part, read_part
 from convert.progress import Progress
 from convert.safetensors_io import CheckpointError, dtype_name
 from k3jax.mx import BLOCK, MXTensor
@@ -75,13 +75,16 @@ def _expected(path: str, info: Mapping[str, Any]) -> dict[str, tuple[tuple[int, 
 
 
 def read_checked_part(folder: Path, name: str, manifest: Mapping[str, Any], params: list[str], *,
-                      verify: bool) -> dict[str, np.ndarray]:
+                      verify: bool, mapped: bool = False) -> dict[str, np.ndarray]:
     """Restore part ``name`` holding the manifest's ``params`` -> array key -> numpy array, after
-    checking its files and, once restored, its arrays (and their CRC-32 with ``verify``)."""
+    checking its files and, once restored, its arrays (and their CRC-32 with ``verify``). With
+    ``mapped`` (and not ``verify``) the arrays are ``StoredArray``s where the part's layout allows
+    (``map_part``): only their sizes are checked now, and each is read where it is indexed."""
     directory = folder / PARTS / name
     entry = manifest["parts"][name]
     _check_files(directory, entry["files"])
-    leaves = read_part(directory)
+    leaves = map_part(directory) if mapped and not verify else None
+    leaves = read_part(directory) if leaves is None else leaves
     expected = {k: v for p in params for k, v in _expected(p, manifest["params"][p]).items()}
     if set(leaves) != set(expected):
         odd = sorted(set(leaves) ^ set(expected))[:3]
@@ -106,13 +109,14 @@ class CheckpointParams(Mapping):
     on first use and the ``cache_parts`` most recent kept, so memory stays near that many parts
     (export reads a layer's w1/w2/w3 stacks interleaved: keep at least 3). Iteration goes part by
     part. Structure is checked as parts are read (every part folder's presence at once); contents
-    with ``verify``."""
+    with ``verify``. ``mapped``: arrays are read only where indexed (``read_checked_part``)."""
 
-    def __init__(self, folder: str | os.PathLike, cache_parts: int = 4, *, verify: bool = False):
+    def __init__(self, folder: str | os.PathLike, cache_parts: int = 4, *, verify: bool = False,
+                 mapped: bool = False):
         self.folder = Path(folder)
         self.manifest = read_manifest(self.folder)
         self.params: dict[str, Any] = self.manifest["params"]
-        self.cache_parts, self.verify = cache_parts, verify
+        self.cache_parts, self.verify, self.mapped = cache_parts, verify, mapped
         self.by_part: dict[str, list[str]] = {name: [] for name in self.manifest["parts"]}
         for path, info in self.params.items():
             self.by_part[info["part"]].append(path)
@@ -130,7 +134,7 @@ class CheckpointParams(Mapping):
             while len(self._cache) >= self.cache_parts:
                 self._cache.popitem(last=False)
             self._cache[name] = read_checked_part(self.folder, name, self.manifest, self.by_part[name],
-                                                  verify=self.verify)
+                                                  verify=self.verify, mapped=self.mapped)
         return self._cache[name]
 
     def __getitem__(self, path: str) -> Any:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import sys
@@ -126,6 +127,67 @@ def read_part(directory: Path) -> dict[str, np.ndarray]:
     return {k: np.asarray(v) for k, v in _flatten(tree).items()}
 
 
+class StoredArray:
+    """An array stored as raw C-order bytes in ``path``, read when indexed: ``a[index]`` reads only the
+    rows (range of the first dim) the index covers, ``np.asarray(a)`` all of it."""
+
+    def __init__(self, path: Path, dtype: np.dtype, shape: tuple[int, ...]):
+        self.path, self.dtype, self.shape = Path(path), np.dtype(dtype), tuple(shape)
+
+    def _rows(self, start: int, stop: int) -> np.ndarray:
+        out = np.empty((stop - start, *self.shape[1:]), self.dtype)
+        buffer = memoryview(out.reshape(-1).view(np.uint8))
+        with open(self.path, "rb", buffering=0) as f:  # unbuffered: reads exactly these bytes
+            f.seek(start * self.dtype.itemsize * math.prod(self.shape[1:]))
+            done = 0
+            while done < len(buffer):
+                n = f.readinto(buffer[done:])
+                if not n:
+                    raise CheckpointError(f"{self.path}: cut short (rows {start}..{stop} of {list(self.shape)} "
+                                          f"{self.dtype} asked for); the checkpoint is damaged")
+                done += n
+        return out
+
+    def __getitem__(self, index: Any) -> np.ndarray:
+        index = index if isinstance(index, tuple) else (index,)
+        if not (index and isinstance(index[0], slice) and index[0].step in (None, 1)):
+            return np.asarray(self)[index]
+        start, stop, _ = index[0].indices(self.shape[0])
+        return self._rows(start, max(start, stop))[(slice(None), *index[1:])]
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        whole = self._rows(0, self.shape[0])
+        return whole if dtype is None else whole.astype(dtype)
+
+
+def map_part(directory: Path) -> dict[str, StoredArray] | None:
+    """Every array of a part as a ``StoredArray`` over its file (dotted key -> array), read only where
+    indexed (so each process of a mesh reads the rows its own shards cover). This needs the layout
+    ``write_part`` gives: zarr v2, one uncompressed C-order chunk per array, whose file is the raw
+    array. None when any array is stored otherwise (a part written by other orbax settings):
+    ``read_part`` reads those whole."""
+    out = {}
+    for meta in sorted(Path(directory).glob("*/.zarray")):
+        try:
+            z = json.loads(meta.read_text())
+            dtype = np.dtype(z["dtype"])
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{meta}: cannot read this array's zarr metadata ({e})") from None
+        except (TypeError, KeyError):  # not a zarr v2 dtype: let orbax read it
+            return None
+        shape = tuple(z.get("shape", ()))
+        plain = (z.get("zarr_format") == 2 and z.get("compressor") is None and not z.get("filters")
+                 and z.get("order") == "C" and tuple(z.get("chunks", ())) == shape and len(shape) > 0)
+        chunk = meta.parent / z.get("dimension_separator", ".").join("0" * len(shape))
+        if not (plain and chunk.is_file()):
+            return None
+        if chunk.stat().st_size != dtype.itemsize * math.prod(shape):
+            raise CheckpointError(f"{chunk}: {chunk.stat().st_size} bytes but its .zarray says {dtype} {list(shape)}; "
+                                  f"the checkpoint is damaged")
+        out[meta.parent.name] = StoredArray(chunk, dtype, shape)
+    return out
+
+
 def part_is_complete(directory: Path) -> bool:
     """True once orbax has finalized the part (its metadata file is present)."""
     return (Path(directory) / "_CHECKPOINT_METADATA").is_file()
@@ -139,6 +201,8 @@ def write_json(path: Path, data: Mapping[str, Any]) -> None:
 
 
 __all__ = [
+    "StoredArray",
+    "map_part",
     "part_is_complete",
     "read_part",
     "write_json",

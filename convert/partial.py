@@ -8,13 +8,21 @@ when done, or removed when what it holds cannot be resumed.
 <out>.partial/checksums/part_00000.json  {"crc32": {array key: hex}}, written after its part
 ```
 A part counts as complete when orbax finalized it and its checksums file exists.
+
+Several processes (one a host, sharing the folder) can write it together (``Share``): process k writes
+the parts k, k + n, k + 2n, ...; process 0 prepares the folder, the others wait for it (``join``), and
+process 0 finishes once every part is complete (``wait_for_parts``). Each process cleans up only its own
+incomplete parts on ``--resume``.
 """
 
 from __future__ import annotations
 
+import re
 import shutil
+import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -33,6 +41,23 @@ class ConversionError(RuntimeError):
     """The conversion stopped (disk full, interrupted, verification failed); says how to continue."""
 
 
+@dataclass(frozen=True)
+class Share:
+    """Process ``index`` of ``count`` converting together: it owns parts ``index``, ``index + count``, ..."""
+
+    index: int = 0
+    count: int = 1
+
+    def __post_init__(self):
+        if not 0 <= self.index < self.count:
+            raise ValueError(f"process_index {self.index} / process_count {self.count}: expected "
+                             f"0 <= process_index < process_count")
+
+    def owns(self, part: int | None) -> bool:
+        """Whether this process writes (and cleans up) part ``part``; None (a foreign entry): process 0."""
+        return (part or 0) % self.count == self.index
+
+
 def partial_of(out: Path) -> Path:
     """The folder a conversion into ``out`` writes until it is complete."""
     return out.with_name(out.name + ".partial")
@@ -47,19 +72,19 @@ def is_done(partial: Path, index: int) -> bool:
     return part_is_complete(partial / PARTS / name) and _sums(partial, name).is_file()
 
 
-def prepare(partial: Path, fingerprint: dict[str, Any], resume: bool) -> None:
+def prepare(partial: Path, fingerprint: dict[str, Any], resume: bool, share: Share = Share()) -> None:
     """Create ``partial`` (through a temporary name, so it appears whole or not at all), or with
-    ``resume`` check that it was made by the same plan and drop its incomplete parts."""
+    ``resume`` check that it was made by the same plan and drop the incomplete parts ``share`` owns."""
     try:
         if partial.exists():
-            _resume(partial, fingerprint, resume)
+            _resume(partial, fingerprint, resume, share)
         else:
             _create(partial, fingerprint)
     except OSError as e:
         raise ConversionError(f"{partial}: cannot prepare it ({e.strerror or e}); nothing was written") from e
 
 
-def _resume(partial: Path, fingerprint: dict[str, Any], resume: bool) -> None:
+def _resume(partial: Path, fingerprint: dict[str, Any], resume: bool, share: Share) -> None:
     if not resume:
         raise ConversionError(f"{partial}: left by an interrupted conversion; pass --resume to continue it, "
                               f"or delete it to start over")
@@ -70,9 +95,17 @@ def _resume(partial: Path, fingerprint: dict[str, Any], resume: bool) -> None:
     if old != fingerprint:
         raise ConversionError(f"{partial}: made from a different source, options or code version; "
                               f"delete it to start over")
+    _drop_incomplete(partial, share)
+
+
+def _drop_incomplete(partial: Path, share: Share) -> None:
+    """Remove the incomplete parts (and orbax's temporary folders, stray checksums) that ``share`` owns."""
     for folder, suffix in ((PARTS, ""), (SUMS, ".json")):
         for entry in (partial / folder).iterdir():
             name = entry.name.removesuffix(suffix)
+            found = re.match(r"part_(\d+)", name)
+            if not share.owns(int(found.group(1)) if found else None):
+                continue
             if not (part_is_complete(partial / PARTS / name) and _sums(partial, name).is_file()):
                 if entry.is_dir() and not entry.is_symlink():
                     shutil.rmtree(entry)
@@ -158,14 +191,49 @@ def discard(partial: Path) -> None:
     shutil.rmtree(partial, ignore_errors=True)
 
 
-def iter_todo(partial: Path, count: int, on_skip: Callable[[int], None]) -> Iterator[int]:
-    """Indices of the parts still to write; ``on_skip(i)`` for each one already complete."""
-    for i in range(count):
+def join(partial: Path, fingerprint: dict[str, Any], share: Share, wait_s: float) -> None:
+    """Process ``share.index`` > 0: wait (up to ``wait_s``) for the folder process 0 prepares, check that
+    it was made by the same plan, and drop the incomplete parts this process owns."""
+    deadline = time.monotonic() + wait_s
+    while not (partial / PLAN_FILE).is_file():
+        if time.monotonic() > deadline:
+            raise ConversionError(f"{partial}: process 0 did not create it within {wait_s:.0f} s; start process 0 "
+                                  f"of this conversion (same SRC, OUT and options), which prepares it")
+        time.sleep(min(1.0, wait_s / 20))
+    if read_json(partial / PLAN_FILE, ConversionError) != fingerprint:
+        raise ConversionError(f"{partial}: made from a different source, options or code version than process "
+                              f"{share.index}'s; give every process the same SRC, OUT and options")
+    _drop_incomplete(partial, share)
+
+
+def wait_for_parts(partial: Path, count: int, wait_s: float) -> None:
+    """Process 0: return once all ``count`` parts are complete; ``ConversionError`` when none completed for
+    ``wait_s`` seconds (naming the missing parts) or when the folder was removed (another process failed)."""
+    missing, since = count + 1, time.monotonic()
+    while True:
+        if not (partial / PLAN_FILE).is_file():
+            raise ConversionError(f"{partial}: removed while process 0 waited for the other processes' parts "
+                                  f"(one failed: see its error)")
+        todo = [part_name(i) for i in range(count) if not is_done(partial, i)]
+        if not todo:
+            return
+        if len(todo) < missing:
+            missing, since = len(todo), time.monotonic()
+        elif time.monotonic() - since > wait_s:
+            raise ConversionError(f"{partial}: {len(todo)} part(s) written by other processes are not complete "
+                                  f"(none completed for {wait_s:.0f} s), e.g. {todo[0]}; rerun those processes with "
+                                  f"--resume, or finish in one process with k3jax convert SRC OUT --resume")
+        time.sleep(min(1.0, wait_s / 20))
+
+
+def iter_todo(partial: Path, count: int, on_skip: Callable[[int], None], share: Share = Share()) -> Iterator[int]:
+    """Indices of the parts ``share`` owns still to write; ``on_skip(i)`` for each one already complete."""
+    for i in filter(share.owns, range(count)):
         if is_done(partial, i):
             on_skip(i)
         else:
             yield i
 
 
-__all__ = ["ConversionError", "PLAN_FILE", "SUMS", "discard", "drop_part", "finish", "is_done", "iter_todo",
-           "part_entries", "partial_of", "prepare", "write_parts"]
+__all__ = ["ConversionError", "PLAN_FILE", "SUMS", "Share", "discard", "drop_part", "finish", "is_done", "iter_todo",
+           "join", "part_entries", "partial_of", "prepare", "wait_for_parts", "write_parts"]

@@ -12,12 +12,21 @@ as soon as it is read, so host memory holds about one part/tensor at a time:
 Routed experts: if the model's expert parameters hold ``MXTensor`` values (``K3Model``'s default
 for an MXFP4 config) they are filled with the packed codes and scales (or quantized, from a bf16
 checkpoint: lossless for values that came from MXFP4); with ``packed_experts=False`` they hold
-arrays and MXFP4 experts are decoded to the parameter dtype. On a ``mesh`` (``k3jax.sharding.make_mesh``) each
-parameter is placed as ``k3jax.sharding.rules`` says.
+arrays and MXFP4 experts are decoded to the parameter dtype.
+
+On a ``mesh`` (``k3jax.sharding.make_mesh``, over every process's devices) each parameter becomes a
+global array split as ``k3jax.sharding.rules`` says (``jax.make_array_from_callback``), and each process
+reads only the rows its own devices hold: a k3jax checkpoint's arrays are read by ranges of their first
+dim (``convert.orbax_io.map_part``), so a host that holds an eighth of the experts reads an eighth of
+their bytes (an array split along a later dim, e.g. ``o_proj`` by heads, is read whole). Whole arrays
+are read where a value must be computed first (MXFP4 experts decoded, bf16 experts quantized), with
+``verify`` (a CRC-32 covers the whole array), for a part stored in another orbax layout, and from a
+released safetensors folder (each process reads every tensor: convert it first; docs/multi_host.md).
 """
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -44,15 +53,16 @@ def _config(path: Path, config: K3Config | Mapping[str, Any] | None) -> K3Config
     return from_hf_config(config if config is not None else read_config(path), name=path.name, source=source)
 
 
-def _source(path: Path, cfg: K3Config, verify: bool) -> tuple[Iterator[tuple[str, Any]], str]:
-    """(canonical path, value) pairs of either kind of folder, and the embedding's stored dtype."""
+def _source(path: Path, cfg: K3Config, verify: bool, mapped: bool = False) -> tuple[Iterator[tuple[str, Any]], str]:
+    """(canonical path, value) pairs of either kind of folder, and the embedding's stored dtype; with
+    ``mapped`` a k3jax checkpoint's arrays are read only where indexed (``CheckpointParams``)."""
     from convert.conversion import assemble, plan
     from convert.integrity import CheckpointParams
     from convert.manifest import is_k3jax_checkpoint
     from convert.safetensors_io import open_checkpoint
 
     if is_k3jax_checkpoint(path):
-        params = CheckpointParams(path, cache_parts=1, verify=verify)
+        params = CheckpointParams(path, cache_parts=1, verify=verify, mapped=mapped)
         return ((name, params[name]) for name in params), params.params["embed_tokens.weight"]["dtype"]
 
     def released() -> Iterator[tuple[str, Any]]:
@@ -78,7 +88,8 @@ def sharding_for(cfg: K3Config, mesh: Mesh | None, path: str, shape: tuple[int, 
 
 def coerce(target: Any, value: Any, path: str) -> Any:
     """Fit a stored value to the model's abstract parameter ``target`` (ShapeDtypeStruct or
-    MXTensor of them): MXFP4 <-> array as needed, float dtype cast, shape checked."""
+    MXTensor of them): shape checked, MXFP4 <-> array as needed (whole: a jax array); a stored
+    array is returned as it is (a ``StoredArray`` unread), to be cast as it is placed."""
     from convert.safetensors_io import CheckpointError
 
     if tuple(value.shape) != tuple(target.shape):
@@ -88,12 +99,25 @@ def coerce(target: Any, value: Any, path: str) -> Any:
         return value if isinstance(value, MXTensor) else quantize_compiled(jnp.asarray(value))
     if isinstance(value, MXTensor):
         return decode_compiled(MXTensor(jnp.asarray(value.codes), jnp.asarray(value.scales)), jnp.dtype(target.dtype))
-    return np.asarray(value).astype(target.dtype, copy=False)
+    return value
 
 
-def _place(value: Any, sharding: NamedSharding | None) -> Any:
-    put = (lambda a: jax.device_put(a, sharding)) if sharding is not None else jnp.asarray
-    return jax.tree.map(put, value)
+def _cast(value: Any, dtype: Any) -> Any:
+    return value if isinstance(value, jax.Array) else np.asarray(value).astype(dtype, copy=False)
+
+
+def _place(target: Any, value: Any, sharding: NamedSharding | None) -> Any:
+    """``value``'s leaves in ``target``'s dtypes on the default device, or as global arrays placed by
+    ``sharding``, for which each process reads (and casts) only the rows (first-dim ranges) its own
+    devices' slices cover, each range once."""
+    def put(t: jax.ShapeDtypeStruct, v: Any) -> jax.Array:
+        if sharding is None:
+            return jnp.asarray(_cast(v, t.dtype))
+        rows = functools.cache(lambda start, stop: _cast(v[start:stop], t.dtype))
+        return jax.make_array_from_callback(
+            t.shape, sharding, lambda index: rows(*index[0].indices(t.shape[0])[:2])[(slice(None), *index[1:])])
+
+    return jax.tree.map(put, target, value)
 
 
 def from_params(
@@ -114,7 +138,7 @@ def from_params(
             raise CheckpointError(f"{where}: parameter {name} has no place in the model built from its config")
         var = todo.pop(name)
         target = var.get_value()
-        var.set_value(_place(coerce(target, value, name), sharding_for(cfg, mesh, name, tuple(target.shape))))
+        var.set_value(_place(target, coerce(target, value, name), sharding_for(cfg, mesh, name, tuple(target.shape))))
     if todo:
         raise CheckpointError(f"{where}: {len(todo)} model parameter(s) missing, e.g. {next(iter(todo))}")
     return nnx.merge(graphdef, state)
@@ -133,13 +157,14 @@ def load(
     routed experts as MXFP4 ``MXTensor`` (default for K3) or decoded ``dtype`` arrays (False).
     ``mesh``: see the module docstring. A k3jax checkpoint's structure is always checked (manifest,
     parts, files and their sizes, array shapes); ``verify`` also checks every array's CRC-32 (a
-    released folder has no checksums: its headers and sizes are checked either way). Raises
-    ``CheckpointError`` naming the file or tensor (``ConfigError`` for config.json) if the
-    checkpoint is damaged or does not fit the model; ``nnx.split(model)`` gives graphdef and state.
+    released folder has no checksums: its headers and sizes are checked either way), for which each
+    process reads whole arrays, on a mesh too. Raises ``CheckpointError`` naming the file or tensor
+    (``ConfigError`` for config.json) if the checkpoint is damaged or does not fit the model;
+    ``nnx.split(model)`` gives graphdef and state.
     """
     path = Path(path)
     cfg = _config(path, config)
-    params, stored = _source(path, cfg, verify)
+    params, stored = _source(path, cfg, verify, mapped=mesh is not None)
     return from_params(cfg, params, mesh, dtype=dtype or _DTYPES[stored], packed_experts=packed_experts,
                        where=str(path))
 

@@ -105,5 +105,15 @@ def place_batch(x: jax.Array, mesh: Mesh) -> jax.Array:
     return jax.device_put(x, NamedSharding(mesh, batch_spec(x.shape[0], mesh, x.ndim)))
 
 
+def place_local_batch(rows: Any, mesh: Mesh, batch: int) -> jax.Array:
+    """Several processes (``jax.distributed``): a global batch [``batch``, ...] placed as ``place_batch`` does,
+    built from each process's ``rows``, the rows its own devices hold: all ``batch`` where the batch is not
+    split or ``data`` stays within each process, else its data group's share
+    (``jax.make_array_from_process_local_data``). ``place_batch`` copies one host array, the same on every
+    process."""
+    spec = batch_spec(batch, mesh, rows.ndim)
+    return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), rows, (batch, *rows.shape[1:]))
+
+
 __all__ = ["ShardingError", "constrain_cache", "current_mesh", "make_mesh", "on_mesh", "param_shardings", "parse_mesh", "place",
-           "place_batch"]
+           "place_batch", "place_local_batch"]

@@ -69,3 +69,14 @@ def test_checkpoint_mistakes_exit_1_on_one_line(released, tmp_path, capsys):
     ):
         status, out, err = _run(capsys, *args, "--quiet")
         assert status == 1 and out == "" and err.count("\n") == 1 and message in err, err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["A", "B", "--process-index", "1"], "--process-index and --process-count go together"),
+    (["A", "B", "--process-index", "2", "--process-count", "2"], "--process-index 2: expected 0 <= K < --process-count"),
+    (["A", "B", "--wait-minutes", "5"], "--wait-minutes applies only with --process-count"),
+    (["--export", "A", "B", "--process-index", "0", "--process-count", "2"], "--process-count does not apply to --export"),
+])
+def test_process_flags_mistakes_exit_2(capsys, args, message):
+    status, out, err = _run(capsys, *args)
+    assert status == 2 and out == "" and err.count("\n") == 1 and message in err, err

@@ -114,3 +114,48 @@ def test_load_onto_mesh_splits_experts(tmp_path):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, env=env, timeout=300)
     assert proc.returncode == 0 and b"ok" in proc.stdout, proc.stderr.decode()[-3000:]
+
+
+def test_stored_arrays_read_the_rows_asked_for(tmp_path):
+    from convert.orbax_io import map_part, write_part
+
+    rng = np.random.default_rng(5)
+    arrays = {"p.w": rng.standard_normal((7, 5, 3)).astype(np.dtype("bfloat16")),
+              "q": rng.integers(0, 256, (11, 9), dtype=np.uint8), "r": rng.standard_normal(13).astype(np.float32)}
+    write_part(tmp_path / "part", arrays)
+    mapped = map_part(tmp_path / "part")
+    assert mapped.keys() == arrays.keys()
+    for key, want in arrays.items():
+        got = mapped[key]
+        assert got.shape == want.shape and got.dtype == want.dtype
+        assert same_bytes(np.asarray(got), want)
+        for index in ((slice(2, 5),), (slice(None), slice(1, 4)), (slice(3, 4), slice(None)), (slice(5, None),)):
+            index = index[:want.ndim]
+            assert same_bytes(got[index], want[index]), (key, index)
+    zarray = tmp_path / "part" / "q" / ".zarray"
+    zarray.write_text(zarray.read_text().replace("[11,9]", "[12,9]").replace("[11, 9]", "[12, 9]"))
+    with pytest.raises(CheckpointError, match=r"q/0\.0: 99 bytes but its \.zarray says uint8 \[12, 9\]"):
+        map_part(tmp_path / "part")
+
+
+def test_k3jax_checkpoint_onto_a_mesh_equals_one_device(tmp_path):
+    folder = tmp_path / "released"
+    write_synthetic(folder, k3_config(), seed=6)
+    ckpt = convert(folder, tmp_path / "ckpt", quiet=True, part_bytes=40_000)
+    script = textwrap.dedent(f"""
+        import jax, jax.numpy as jnp, numpy as np
+        from flax import nnx
+        from k3jax.checkpoint import load
+        from k3jax.sharding import make_mesh
+        mesh = make_mesh("expert=2,tensor=2")
+        for kw in ({{}}, {{"verify": True}}, {{"packed_experts": False}}, {{"dtype": jnp.float32}}):
+            one = jax.tree.leaves(nnx.state(load({str(ckpt)!r}, **kw)))
+            split = jax.tree.leaves(nnx.state(load({str(ckpt)!r}, mesh=mesh, **kw)))
+            assert len(one) == len(split) and any(not a.sharding.is_fully_replicated for a in split)
+            for a, b in zip(one, split):
+                assert a.dtype == b.dtype and np.asarray(a).tobytes() == np.asarray(b).tobytes(), kw
+        print("ok")
+    """)
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, env=env, timeout=300)
+    assert proc.returncode == 0 and b"ok" in proc.stdout, proc.stderr.decode()[-3000:]
