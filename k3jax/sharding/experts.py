@@ -1,9 +1,9 @@
-"""Expert parallelism: the routed experts' sum under ``shard_map``, the expert stacks split over the mesh
-axis ``expert``, in one of two forms.
+"""Expert parallelism: the routed experts' sum under ``shard_map``, the expert stacks split over the n devices
+of the mesh axes ``expert`` x ``tensor`` (``rules.RULES``), in one of two forms.
 
-- **Replicated tokens** (decode at small batch): every device of an expert group sees the group's tokens,
+- **Replicated tokens** (decode at small batch): every device of the expert group sees the group's tokens,
   runs its own E / n experts on the pairs routed to them (other pairs get expert id E / n, past its last,
-  and add nothing), and one ``psum`` over ``expert`` adds the partial outputs.
+  and add nothing), and one ``psum`` over the group adds the partial outputs.
 - **Exchanged rows** (prefill, large batches): tokens are split over every mesh axis; each device sorts its
   (token, expert) pairs by the device holding the expert and sends each pair's latent row only there
   (``jax.lax.ragged_all_to_all`` on GPU and TPU; on the CPU, which lacks it, an all-gather of every
@@ -12,13 +12,12 @@ axis ``expert``, in one of two forms.
   receive buffer holds every pair of every device, so no routing, however skewed, drops a token.
 
 ``KernelPolicy.expert_exchange_min_tokens`` chooses between them. Tokens are padded to a multiple of the
-devices they are split over (padding pairs go nowhere). Where E does not divide over ``expert`` the
-stacks stay whole and each device runs every expert on its own tokens.
+devices they are split over (padding pairs go nowhere). Where E does not divide over the group the stacks
+stay whole and each device runs every expert on its own tokens.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import jax
@@ -26,7 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from k3jax.implementation import current
-from k3jax.sharding.rules import EXPERT, MESH_AXES, mesh_axis
+from k3jax.sharding.rules import EXPERT, MESH_AXES, devices_over, mesh_axes
 from k3jax.typing import Array
 
 EXPERT_AXIS = EXPERT
@@ -48,8 +47,8 @@ def local_pairs(weights: Array, experts: Array, first, count: int) -> tuple[Arra
     return jnp.where(mine, weights, 0.0), jnp.where(mine, experts - first, count)
 
 
-def _split_axes(mesh: Mesh, exclude: str | None = None) -> tuple[str, ...]:
-    return tuple(a for a in MESH_AXES if a in mesh.axis_names and mesh.shape[a] > 1 and a != exclude)
+def _split_axes(mesh: Mesh, exclude: tuple[str, ...] = ()) -> tuple[str, ...]:
+    return tuple(a for a in MESH_AXES if a in mesh.axis_names and mesh.shape[a] > 1 and a not in exclude)
 
 
 def _padded(x: Array, weights: Array, experts: Array, multiple: int, num_experts: int):
@@ -68,22 +67,19 @@ def moe_expert_parallel(x: Array, w1, w3, w2, weights: Array, experts: Array, lo
     ``moe_sorted``'s contract (pairs whose expert is past its stacks add nothing). ``exchange``: the
     exchanged-rows form (default: from ``T`` and the policy in force). Returns [T, R] in x's dtype."""
     T, E = x.shape[0], w1.shape[0]
-    axis = mesh_axis("experts", E, mesh)
+    group = mesh_axes("experts", E, mesh)  # the axes the stacks are split over
     if exchange is None:
         exchange = T >= current().policy.expert_exchange_min_tokens
-    if axis is None or exchange:
-        tokens = _split_axes(mesh)
-    else:
-        tokens = _split_axes(mesh, exclude=axis)
-    n_tokens = math.prod(mesh.shape[a] for a in tokens)
-    xp, wp, ep = _padded(x, weights, experts, n_tokens, E)
-    rows, stacks = PartitionSpec(tokens or None), PartitionSpec(axis)
-    if axis is None:
+    tokens = _split_axes(mesh) if exchange or not group else _split_axes(mesh, exclude=group)
+    xp, wp, ep = _padded(x, weights, experts, devices_over(tokens, mesh), E)
+    rows, stacks = PartitionSpec(tokens or None), PartitionSpec(group or None)
+    if not group:
         body = local_moe
     elif exchange:
-        body = lambda *a: _exchanged(*a, local_moe=local_moe, axis=axis, n=mesh.shape[axis], ragged=_has_ragged(mesh))
+        body = lambda *a: _exchanged(*a, local_moe=local_moe, axis=group, n=devices_over(group, mesh),
+                                     ragged=_has_ragged(mesh))
     else:
-        body = lambda *a: _replicated(*a, local_moe=local_moe, axis=axis)
+        body = lambda *a: _replicated(*a, local_moe=local_moe, axis=group)
     # check_vma: a pallas_call's outputs (ShapeDtypeStruct) say nothing of how they vary over the mesh, which
     # the check refuses
     y = jax.shard_map(body, mesh=mesh, in_specs=(rows, stacks, stacks, stacks, rows, rows), out_specs=rows,
@@ -91,13 +87,14 @@ def moe_expert_parallel(x: Array, w1, w3, w2, weights: Array, experts: Array, lo
     return y[:T]
 
 
-def _replicated(x, w1, w3, w2, weights, experts, *, local_moe: LocalMoE, axis: str) -> Array:
+def _replicated(x, w1, w3, w2, weights, experts, *, local_moe: LocalMoE, axis: tuple[str, ...]) -> Array:
     local = w1.shape[0]
     y = local_moe(x, w1, w3, w2, *local_pairs(weights, experts, jax.lax.axis_index(axis) * local, local))
     return jax.lax.psum(y.astype(jnp.float32), axis).astype(x.dtype)
 
 
-def _exchanged(x, w1, w3, w2, weights, experts, *, local_moe: LocalMoE, axis: str, n: int, ragged: bool) -> Array:
+def _exchanged(x, w1, w3, w2, weights, experts, *, local_moe: LocalMoE, axis: tuple[str, ...], n: int,
+               ragged: bool) -> Array:
     """One device's part of the exchanged-rows form: x [t, R], pairs [t, k]; returns [t, R]."""
     t, k = experts.shape
     local, pairs = w1.shape[0], t * k

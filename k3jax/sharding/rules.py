@@ -1,27 +1,32 @@
-"""The sharding rules: every parameter's logical axes, and the mesh axis each logical axis lives on.
+"""The sharding rules: every parameter's logical axes, and the mesh axes each logical axis is split over.
 
 Two tables, read by placement (``k3jax.load(..., mesh=)``, ``place``), generation, training and
 ``k3jax memory --mesh`` alike; no module carries sharding code of its own.
 
 ``PARAM_AXES``: a parameter's canonical path (``layers.7.self_attn.q_proj.weight``) -> the logical
-axis of each of its dims (None: not split). ``RULES``: logical axis -> mesh axis:
+axis of each of its dims (None: not split). ``RULES``: logical axis -> the mesh axes it is split over:
 
-    experts  routed-expert stacks [E, ...]                       -> expert
+    experts  routed-expert stacks [E, ...]                       -> expert x tensor
     heads    KDA and MLA heads (projections into and out of them) -> tensor
     mlp      dense-MLP and shared-expert widths                   -> tensor
     vocab    embedding and output-head rows                       -> tensor
-    batch    activations' and caches' batch                       -> data
+    batch    activations' and caches' batch                       -> data x expert
 
-A dim is split only where the mesh axis divides it (for ``heads``: divides the layer's head count, so a
-device holds whole heads); otherwise it stays whole on every device, as does every dim of a
-parameter whose logical axes are all None (norms, the router, the MLA down projections, the latent
-maps). The MLA latent cache is never split by heads: every head reads all of it (its up projections
-are absorbed into the query and output), so splitting by heads would mean caching per-head keys and
-values, H x (192 + 128) values a token against 576.
+The routed experts (93% of K3's bytes) spread over every device of a model copy, the rest of the
+weights over ``tensor``; the attention runs data-parallel over ``expert`` (each expert-group device
+attends for its share of the batch, its cache holding only those sequences) and the MoE exchanges
+tokens between them. A dim is split over the rule's axes the mesh has (more than one device each)
+where their product divides it (for ``heads``: the layer's head count, so a device holds whole heads);
+where it does not, the last axis is dropped and the rest tried, down to none: the dim stays whole on
+every device, as does every dim of a parameter whose logical axes are all None (norms, the router, the
+MLA down projections, the latent maps). The MLA latent cache is never split by heads: every head reads
+all of it (its up projections are absorbed into the query and output), so splitting by heads would mean
+caching per-head keys and values, H x (192 + 128) values a token against 576.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Mapping
 
@@ -32,7 +37,8 @@ from k3jax.config import K3Config
 DATA, EXPERT, TENSOR = "data", "expert", "tensor"
 MESH_AXES = (DATA, EXPERT, TENSOR)
 
-RULES: Mapping[str, str] = {"experts": EXPERT, "heads": TENSOR, "mlp": TENSOR, "vocab": TENSOR, "batch": DATA}
+RULES: Mapping[str, tuple[str, ...]] = {"experts": (EXPERT, TENSOR), "heads": (TENSOR,), "mlp": (TENSOR,),
+                                        "vocab": (TENSOR,), "batch": (DATA, EXPERT)}
 
 _HEADS_IN = ("heads", None)  # [heads x head dim, input]
 _HEADS_OUT = (None, "heads")  # [D, heads x head dim]
@@ -78,13 +84,27 @@ def _heads(cfg: K3Config, path: str) -> int:
     return cfg.kda.num_heads if cfg.layer_types[int(layer.group(1))] == "kda" else cfg.mla.num_heads
 
 
-def mesh_axis(logical: str | None, size: int, mesh: Mesh, units: int | None = None) -> str | None:
-    """The mesh axis a dim of ``size`` with logical axis ``logical`` is split over: the rule's, when the mesh
-    has it with more than one device and it divides ``units`` (heads; default ``size``); else None."""
-    axis = RULES.get(logical) if logical else None
-    if axis is None or axis not in mesh.axis_names or mesh.shape[axis] == 1:
-        return None
-    return axis if (units if units is not None else size) % mesh.shape[axis] == 0 else None
+def mesh_axes(logical: str | None, size: int, mesh: Mesh, units: int | None = None) -> tuple[str, ...]:
+    """The mesh axes a dim of ``size`` with logical axis ``logical`` is split over: the rule's axes that the
+    mesh has with more than one device, the last dropped while their product does not divide ``units``
+    (heads; default ``size``). Empty: the dim stays whole."""
+    axes = [a for a in RULES.get(logical, ()) if a in mesh.axis_names and mesh.shape[a] > 1] if logical else []
+    count = units if units is not None else size
+    while axes and count % math.prod(mesh.shape[a] for a in axes):
+        axes.pop()
+    return tuple(axes)
+
+
+def mesh_axis(logical: str | None, size: int, mesh: Mesh, units: int | None = None) -> str | tuple[str, ...] | None:
+    """``mesh_axes`` as a ``PartitionSpec`` entry: None, one axis name, or a tuple of them."""
+    axes = mesh_axes(logical, size, mesh, units)
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def devices_over(entry: str | tuple[str, ...] | None, mesh: Mesh) -> int:
+    """How many devices a ``PartitionSpec`` entry splits a dim over."""
+    axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
+    return math.prod(mesh.shape[a] for a in axes)
 
 
 def param_spec(cfg: K3Config, path: str, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
@@ -122,16 +142,17 @@ def batch_spec(batch: int, mesh: Mesh, ndim: int) -> PartitionSpec:
 def spec_bytes(shape: tuple[int, ...], itemsize: float, spec: PartitionSpec, mesh: Mesh) -> float:
     """Bytes one device holds of an array of ``shape`` placed by ``spec``."""
     n = 1.0
-    for size, axis in zip(shape, tuple(spec) + (None,) * len(shape)):
-        n *= size / (mesh.shape[axis] if axis else 1)
+    for size, entry in zip(shape, tuple(spec) + (None,) * len(shape)):
+        n *= size / devices_over(entry, mesh)
     return n * itemsize
 
 
 def describe(spec: PartitionSpec) -> str:
-    """'[expert, -, -]'-style text of a spec."""
-    return "[" + ", ".join(a if a else "-" for a in spec) + "]"
+    """'[expert*tensor, -, -]'-style text of a spec."""
+    return "[" + ", ".join("-" if not a else a if isinstance(a, str) else "*".join(a) for a in spec) + "]"
 
 
 __all__ = ["CACHE_AXES", "DATA", "EXPERT", "MESH_AXES", "PARAM_AXES", "RULES", "ShardingError", "TENSOR", "batch_spec",
-           "cache_spec", "describe", "logical_axes", "mesh_axis", "param_spec", "spec_bytes"]
+           "cache_spec", "describe", "devices_over", "logical_axes", "mesh_axes", "mesh_axis", "param_spec",
+           "spec_bytes"]
 
