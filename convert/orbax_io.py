@@ -7,6 +7,7 @@ become ``OSError`` (writing) or ``CheckpointError`` (reading), one line each.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import math
@@ -49,9 +50,11 @@ def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, np.ndarray]
 def _writer() -> ocp.Checkpointer:
     """Orbax PyTree writer for numpy leaves: no compression, one zarr array per leaf (no OCDBT
     database: faster here), and no defensive deep copy of the arrays (the converter hands over
-    arrays it no longer touches), so a part costs its own bytes in memory, not twice."""
+    arrays it no longer touches), so a part costs its own bytes in memory, not twice. An orbax
+    without that option (the GPU machine's, with JAX 0.11.2) copies: a part costs twice there."""
+    no_copy = "deepcopy_host_arrays" in inspect.signature(type_handlers.NumpyHandler).parameters
     registry = type_handler_registry.create_type_handler_registry(
-        (np.ndarray, type_handlers.NumpyHandler(deepcopy_host_arrays=False))
+        (np.ndarray, type_handlers.NumpyHandler(**({"deepcopy_host_arrays": False} if no_copy else {})))
     )
     handler = ocp.PyTreeCheckpointHandler(use_compression=False, use_ocdbt=False, type_handler_registry=registry)
     return ocp.Checkpointer(handler)
