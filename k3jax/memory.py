@@ -27,7 +27,8 @@ from k3jax.config import K3Config
 from k3jax.model import K3Model
 from k3jax.param_count import count_params
 from k3jax.sharding.mesh import parse_mesh
-from k3jax.sharding.rules import DATA, EXPERT, MESH_AXES, TENSOR, mesh_axis, param_spec, spec_bytes
+from k3jax.sharding.rules import (DATA, MESH_AXES, RULES, cache_spec, devices_over, mesh_axes, mesh_axis, param_spec,
+                                  spec_bytes)
 
 MXFP4_BYTES = 0.5 + 1 / 32  # a 4-bit code per element plus one E8M0 byte per 32-element block
 ACTIVATION_BYTES = 2  # bf16 activations between devices
@@ -120,8 +121,8 @@ def device_weights(cfg: K3Config, mesh: AbstractMesh) -> DeviceWeights:
 
 
 class Communication(NamedTuple):
-    """Bytes one device sends for each token its data group (one copy of the model, expert x tensor devices)
-    processes: per layer of each kind, then per token for the embedding and output head."""
+    """Bytes one device sends for each token its data group (one copy of the model: the expert x tensor devices
+    of one ``data`` index) processes: per layer of each kind, then per token for the embedding and output head."""
 
     kda_attention: float  # per KDA layer
     mla_attention: float  # per MLA layer
@@ -141,48 +142,88 @@ def _all_gather(n: int, nbytes: float) -> float:
     return (n - 1) / n * nbytes
 
 
-def communication(cfg: K3Config, mesh: AbstractMesh) -> Communication:
-    """What the placement makes each device send, per token of its data group (data parallelism sends nothing
-    at inference). A ring all-reduce of n devices sends 2(n-1)/n of the buffer from each, an all-gather
-    (n-1)/n of the gathered result. t, e: the tensor and expert axes' sizes; D model width, V vocabulary,
-    R the routed experts' width (K3's latent), k experts per token. A block whose dim the rules leave whole
-    sends nothing.
+def _split_axes(mesh: AbstractMesh) -> tuple[str, ...]:
+    """Every axis with more than one device: what ``k3jax.sharding.experts`` splits the MoE's tokens over."""
+    return tuple(a for a in MESH_AXES if mesh.shape[a] > 1)
 
-    - attention (KDA, MLA), dense MLP, shared experts: heads / width split over tensor, so one all-reduce
-      of the [D] bf16 output: 2(t-1)/t * 2D.
-    - routed experts, exchanged rows: tokens split over expert x tensor (m = e*t devices, 1/m each); each
-      (token, expert) pair's R-wide bf16 row goes to its expert's device and comes back, (e-1)/e of them
-      leaving the device: 2 * k * 2R * (e-1)/e / m (the pairs' routing weight and expert id, 8 bytes, left
-      out); then the result rows gathered back to every device of the group: (m-1)/m * 2R.
-    - routed experts, replicated tokens: tokens split over tensor (1/t each); a psum over expert of the
-      float32 partial sums, 2(e-1)/e * 4R / t, then the rows gathered over tensor: (t-1)/t * 2R. Where E
-      does not divide over expert both forms only split the tokens and gather them: (m-1)/m * 2R.
-    - embedding (vocab over tensor): a masked lookup, then an all-reduce of the [D] row: 2(t-1)/t * 2D.
-    - output head (vocab over tensor): at most the float32 logits gathered for sampling, (t-1)/t * 4V (a
-      greedy argmax or the training loss reduce per token instead).
+
+def communication(cfg: K3Config, mesh: AbstractMesh, batch: int) -> Communication:
+    """What the placement makes each device send for ``batch`` sequences, per token its data group processes
+    (data parallelism itself sends nothing at inference). Modelled, not measured: the bytes the collectives
+    move with experts chosen evenly and no padding, not link times, and where XLA picks the collective (the
+    reshards) the least it can move. A ring all-reduce over n devices sends 2(n-1)/n of the buffer from each,
+    an all-gather (n-1)/n of the gathered result. d, e, t: the data, expert and tensor sizes, m = e*t; D model
+    width, V vocabulary, R the routed experts' width (K3's latent), k experts a token; rows and the tensor
+    blocks' partial sums cross in bf16, the MoE's partial sums and the logits in float32. A block whose dim the
+    rules leave whole sends nothing.
+
+    Where the tokens are. The attention, dense MLP, shared experts, embedding and head run on the activations'
+    layout, the batch split over A = ``mesh_axes("batch", B)`` (data x expert where d*e divides B, else data
+    where d does, else whole). Tokens split over axes X leave a device the share s_X = c / |X| of its data
+    group's tokens (|X| devices over X; c = d where A holds data, each copy then processing its 1/d of the
+    tokens, else 1, every copy processing them all): s_A = 1/e where the batch splits over data x expert.
+    The MoE (``k3jax.sharding.experts``) has layouts of its own: tokens over every axis with more than one
+    device (exchanged rows, and any form where the stacks stay whole), or over the axes outside its group
+    G = ``mesh_axes("experts", E)`` (replicated tokens), n = |G|. Moving from tokens over P to over Q, a device
+    receives what of its new share it did not hold, s_Q - s_(P u Q) (splits agreeing on their common axes),
+    and on average sends as much: an all-gather over P's extra axes where P's split refines Q's, nothing where
+    Q's refines P's (each device keeps a part of what it holds).
+
+    - attention (KDA, MLA), dense MLP, shared experts: heads / width split over tensor, one all-reduce of the
+      device's [D] bf16 rows: 2(t-1)/t * 2D * s_A.
+    - embedding (vocab over tensor): a masked lookup, then the same all-reduce: 2(t-1)/t * 2D * s_A.
+    - output head (vocab over tensor): at most the float32 logits gathered for sampling, (t-1)/t * 4V * s_A
+      (a greedy argmax or the training loss reduce per token instead).
+    - routed experts, exchanged rows: tokens over every axis (s = 1/m where A holds data), taken from the
+      attention's layout without sending; each (token, expert) pair's R-wide row goes to its expert's device
+      and comes back, (n-1)/n of them leaving: 2 * k * 2R * (n-1)/n * s (the pairs' weight and expert id, 8
+      bytes, left out); the results regathered to the attention's layout: (s_A - s) * 2R, over tensor.
+    - routed experts, replicated tokens: tokens over the axes outside G (data, where G is expert x tensor; s = 1
+      where A holds data), gathered from the attention's layout: (s - s_A) * 2R, over expert (the pairs, 8k
+      bytes a token, left out); the psum of the float32 partial sums over G: 2(n-1)/n * 4R * s; each device
+      then keeps its own rows of the sum, sending nothing.
+    - stacks whole (E divides over none of expert, expert x tensor): both forms split the tokens over every
+      axis, run every expert there and regather: (s_A - s) * 2R.
+
+    With the batch split over data x expert and E over expert x tensor (n = m), per token of a data group:
+    attention, MLP, embedding 2(t-1)/t * 2D / e; exchanged 2k * 2R (m-1)/m^2 + (t-1)/m * 2R; replicated
+    (e-1)/e * 2R + 2(m-1)/m * 4R; head (t-1)/t * 4V / e.
     """
-    t, e = mesh.shape[TENSOR], mesh.shape[EXPERT]
-    D, a = cfg.hidden_size, ACTIVATION_BYTES
-
-    def reduce_if(logical: str, size: int, units: int | None = None) -> float:
-        return _all_reduce(t, a * D) if mesh_axis(logical, size, mesh, units) else 0.0
-
+    batch = integer("batch", batch, minimum=1)
+    D, V, a = cfg.hidden_size, cfg.vocab_size, ACTIVATION_BYTES
     kda, mla, moe = cfg.kda, cfg.mla, cfg.moe
-    R, m, shared = moe.latent_size or D, e * t, moe.num_shared_experts * moe.intermediate_size
-    row = a * R
-    if mesh_axis("experts", moe.num_experts, mesh):
-        exchanged = 2 * moe.experts_per_token * row * (e - 1) / e / m + _all_gather(m, row)
-        replicated = _all_reduce(e, 4 * R) / t + _all_gather(t, row)
+    R, k, shared = moe.latent_size or D, moe.experts_per_token, moe.num_shared_experts * moe.intermediate_size
+    attention = mesh_axes("batch", batch, mesh)
+    copies = mesh.shape[DATA] if DATA in attention else 1
+
+    def share(axes) -> float:  # of its data group's tokens, a device's when they are split over ``axes``
+        return copies / devices_over(tuple(axes), mesh)
+
+    def moved(src, dst) -> float:  # what a device receives (and sends) going from tokens over src to over dst
+        return share(dst) - share(set(src) | set(dst))
+
+    def reduce_over(logical: str, size: int, units: int | None = None) -> float:
+        return _all_reduce(devices_over(mesh_axis(logical, size, mesh, units), mesh), a * D) * share(attention)
+
+    row, every = a * R, _split_axes(mesh)
+    group = mesh_axes("experts", moe.num_experts, mesh)
+    n = devices_over(group, mesh)
+    regather = (moved(attention, every) + moved(every, attention)) * row
+    if group:
+        rest = tuple(x for x in every if x not in group)
+        exchanged = 2 * k * row * (n - 1) / n * share(every) + regather
+        replicated = (moved(attention, rest) + moved(rest, attention)) * row + _all_reduce(n, 4 * R) * share(rest)
     else:
-        exchanged = replicated = _all_gather(m, row)
-    vocab = mesh_axis("vocab", cfg.vocab_size, mesh) is not None
+        exchanged = replicated = regather
+    vocab = devices_over(mesh_axis("vocab", V, mesh), mesh)
     return Communication(
-        kda_attention=reduce_if("heads", kda.num_heads * kda.head_dim, kda.num_heads),
-        mla_attention=reduce_if("heads", mla.num_heads * mla.v_head_dim, mla.num_heads),
-        dense_mlp=reduce_if("mlp", cfg.dense_intermediate_size),
-        shared_experts=reduce_if("mlp", shared) if shared else 0.0,
+        kda_attention=reduce_over("heads", kda.num_heads * kda.head_dim, kda.num_heads),
+        mla_attention=reduce_over("heads", mla.num_heads * mla.v_head_dim, mla.num_heads),
+        dense_mlp=reduce_over("mlp", cfg.dense_intermediate_size),
+        shared_experts=reduce_over("mlp", shared) if shared else 0.0,
         moe_exchanged=exchanged, moe_replicated=replicated,
-        embedding=_all_reduce(t, a * D) if vocab else 0.0, head=_all_gather(t, 4 * cfg.vocab_size) if vocab else 0.0)
+        embedding=_all_reduce(vocab, a * D) * share(attention),
+        head=_all_gather(vocab, 4 * V) * share(attention))
 
 
 class DeviceEstimate(NamedTuple):
@@ -190,10 +231,11 @@ class DeviceEstimate(NamedTuple):
 
     mesh: Mapping[str, int]
     weights: DeviceWeights
-    kda_state: float  # its sequences' KDA states, float32 (batch over data, heads over tensor)
-    mla_cache: float  # its sequences' MLA latents (batch over data; whole over tensor and expert)
-    sequences: int  # the sequences it holds caches for
+    kda_state: float  # its sequences' KDA states and conv inputs, float32 (``rules.cache_spec``)
+    mla_cache: float  # its sequences' MLA latents (``rules.cache_spec``: by batch only)
+    sequences: int  # the sequences it holds caches for (and attends for)
     kda_heads: int  # the KDA heads whose state it holds
+    batch_axes: tuple[str, ...]  # the mesh axes the batch is split over (activations and caches)
     context: int
     batch: int
     comm: Communication
@@ -206,18 +248,27 @@ class DeviceEstimate(NamedTuple):
 def per_device(cfg: K3Config, mesh: str | Mapping[str, int], context: int, batch: int = 1,
                cache_bytes: int = 2) -> DeviceEstimate:
     """One device's share on a mesh of these sizes ('expert=8,tensor=2' or a mapping; no devices needed) for
-    ``batch`` sequences of ``context`` tokens. The caches: KDA state [B, H, K, V] float32 and conv inputs with
-    heads over tensor, MLA latents [B, S, 576] whole over tensor (every head reads them); both with B over
-    data where data divides the batch, and whole over expert."""
+    ``batch`` sequences of ``context`` tokens, every cache array placed by ``rules.cache_spec``: the batch
+    over data x expert (where it divides; else data; else whole), the KDA state [B, H, K, V] float32 with its
+    heads over tensor, the conv inputs [B, W-1, 3*H*K] float32 and the MLA latents [B, S, R + P] (in
+    ``cache_bytes`` a value) by batch only (every head reads all the latents)."""
     context, batch, cache_bytes = _sizes(context, batch, cache_bytes)
     mesh = abstract_mesh(mesh)
-    kda_split = mesh.shape[TENSOR] if mesh_axis("heads", cfg.kda.num_heads, mesh) else 1
-    sequences = batch // mesh.shape[DATA] if mesh_axis("batch", batch, mesh) else batch
+    kda, mla = cfg.kda, cfg.mla
     n_kda, n_mla = cfg.layer_types.count("kda"), cfg.layer_types.count("mla")
-    kda_state = sequences * n_kda * 4 * _kda_values(cfg) / kda_split
-    mla_cache = sequences * context * n_mla * cache_bytes * (cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim)
-    return DeviceEstimate(dict(mesh.shape), device_weights(cfg, mesh), kda_state, mla_cache, sequences,
-                          cfg.kda.num_heads // kda_split, context, batch, communication(cfg, mesh))
+
+    def held(field: str, shape: tuple[int, ...], itemsize: int) -> float:
+        return spec_bytes(shape, itemsize, cache_spec(field, shape, mesh), mesh)
+
+    state = (batch, kda.num_heads, kda.head_dim, kda.head_dim)
+    kda_state = n_kda * (held("recurrent", state, 4) +
+                         held("conv", (batch, kda.conv_size - 1, 3 * kda.num_heads * kda.head_dim), 4))
+    mla_cache = n_mla * (held("c_kv", (batch, context, mla.kv_lora_rank), cache_bytes) +
+                         held("k_pe", (batch, context, mla.qk_rope_head_dim), cache_bytes))
+    spec = cache_spec("recurrent", state, mesh)
+    return DeviceEstimate(dict(mesh.shape), device_weights(cfg, mesh), kda_state, mla_cache,
+                          batch // devices_over(spec[0], mesh), kda.num_heads // devices_over(spec[1], mesh),
+                          mesh_axes("batch", batch, mesh), context, batch, communication(cfg, mesh, batch))
 
 
 def _gib(n: float) -> str:
@@ -248,17 +299,19 @@ def _device_report(cfg: K3Config, d: DeviceEstimate) -> str:
     w, c = d.weights, d.comm
     n_kda, n_mla = cfg.layer_types.count("kda"), cfg.layer_types.count("mla")
     n_moe = sum(map(cfg.is_moe_layer, range(cfg.num_layers)))
-    rows = [("KDA attention: all-reduce over tensor", c.kda_attention, n_kda),
-            ("MLA attention: all-reduce over tensor", c.mla_attention, n_mla),
-            ("dense MLP: all-reduce over tensor", c.dense_mlp, cfg.num_layers - n_moe),
-            ("shared experts: all-reduce over tensor", c.shared_experts, n_moe),
+    over = {name: "*".join(RULES[name]) for name in ("heads", "mlp", "vocab")}
+    rows = [(f"KDA attention: all-reduce over {over['heads']}", c.kda_attention, n_kda),
+            (f"MLA attention: all-reduce over {over['heads']}", c.mla_attention, n_mla),
+            (f"dense MLP: all-reduce over {over['mlp']}", c.dense_mlp, cfg.num_layers - n_moe),
+            (f"shared experts: all-reduce over {over['mlp']}", c.shared_experts, n_moe),
             ("routed experts, exchanged rows (prefill)", c.moe_exchanged, n_moe),
             ("routed experts, replicated tokens (decode)", c.moe_replicated, n_moe),
-            ("embedding: all-reduce over tensor", c.embedding, 1),
+            (f"embedding: all-reduce over {over['vocab']}", c.embedding, 1),
             ("output head: logits gathered (at most)", c.head, 1)]
     common = sum(v * n for _, v, n in rows[:4]) + c.embedding
     devices = math.prod(d.mesh.values())
     seqs = f"{d.sequences} sequence{'s' * (d.sequences > 1)}"
+    batch_over = "*".join(d.batch_axes) or "nothing (every device holds every sequence)"
     lines = [
         f"{cfg.name} on a mesh of {devices} device{'s' * (devices > 1)} ({sizes}): context {d.context:,} tokens, "
         f"batch {d.batch}; per device:",
@@ -269,7 +322,8 @@ def _device_report(cfg: K3Config, d: DeviceEstimate) -> str:
         f"  MLA cache                {_gib(d.mla_cache)}  ({seqs} x {d.context:,} tokens; every "
         f"head reads it all)",
         f"  total                    {_gib(d.total)}",
-        "  communication, bytes one device sends per token of its data group (bf16 activations):",
+        f"  batch split over {batch_over}",
+        "  communication, bytes one device sends per token of its data group (bf16 activations; modelled):",
         f"    {'':44}{'per layer':>12}{'layers':>8}{'all layers':>14}",
         *(f"    {name:44}{v:>12,.0f}{n:>8}{v * n:>14,.0f}" for name, v, n in rows),
         f"    {'total, prefill (exchanged rows, no logits)':44}{'':20}{common + n_moe * c.moe_exchanged:>14,.0f}",

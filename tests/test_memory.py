@@ -1,6 +1,7 @@
 """The memory estimate's arguments: positive integers, each error naming its argument, in Python and on the command
 line (one line on stderr, no traceback, from the installed entry as well). Per device on a mesh: the weights, caches
-and communication against the shapes worked out by hand, and the weights against what placement puts on a device."""
+and communication against the shapes worked out by hand, and the weights and caches against what placement puts on
+a device."""
 
 import os
 import subprocess
@@ -82,10 +83,11 @@ def _hand_weights(heads=1, dense=1, shared=1, vocab=1, experts=1):
 
 
 @pytest.mark.parametrize("sizes, split", [
-    ("data=2,expert=2,tensor=2", dict(heads=2, dense=2, shared=2, vocab=2, experts=2)),
-    ("tensor=8", dict(dense=8, shared=8, vocab=8)),  # 4 heads stay whole
+    ("data=2,expert=2,tensor=2", dict(heads=2, dense=2, shared=2, vocab=2, experts=4)),  # experts over expert x tensor
+    ("tensor=8", dict(dense=8, shared=8, vocab=8, experts=8)),  # 4 heads stay whole; 8 experts over tensor alone
     ({"expert": 8}, dict(experts=8)),
-    ("expert=3,tensor=3", dict(dense=3)),  # only layer 0's 72-wide MLP divides by 3
+    ("expert=2,tensor=3", dict(dense=3, experts=2)),  # 6 does not divide 8 experts, 2 does; only 72 divides by 3
+    ("expert=3,tensor=3", dict(dense=3)),  # neither 9 nor 3 divides 8 experts; only layer 0's 72-wide MLP divides by 3
 ])
 def test_weights_per_device_follow_the_shapes(sizes, split):
     assert device_weights(preset("tiny_mesh"), abstract_mesh(sizes)).total == pytest.approx(_hand_weights(**split),
@@ -100,30 +102,81 @@ def test_one_device_walk_counts_float32_at_four_bytes():
     assert walked == _hand_weights() == estimate(preset("tiny_mesh"), 1).weights + 2 * float32
 
 
-def test_caches_per_device():
-    d = per_device(preset("tiny_mesh"), "data=2,expert=2,tensor=2", context=100, batch=4)
-    state = (H // 2) * K * K + 3 * 3 * (H // 2) * K  # half the heads: state, q k v conv inputs
-    assert (d.sequences, d.kda_heads) == (2, 2)
-    assert d.kda_state == 2 * 6 * 4 * state
-    assert d.mla_cache == 2 * 100 * 2 * BF * (C + ROPE)  # every device holds every head's latents
+def _hand_caches(sequences, heads, context):
+    """tiny_mesh's caches on one device, per sequence it holds: per KDA layer the float32 state [heads, K, K] and
+    the q, k, v convs' last 3 inputs [3 * H * K] (channels side by side, whole over tensor); per MLA layer the bf16
+    latents [context, C + ROPE]."""
+    return sequences * 6 * F32 * (heads * K * K + 3 * 3 * H * K), sequences * context * 2 * BF * (C + ROPE)
+
+
+@pytest.mark.parametrize("sizes, batch, sequences, heads", [
+    ("data=2,expert=2,tensor=2", 4, 1, 2),  # batch over data x expert, KDA heads over tensor
+    ("data=2,expert=2,tensor=2", 6, 3, 2),  # 4 does not divide 6: over data alone
+    ("data=2,tensor=8", 3, 3, 4),  # 2 does not divide 3: whole; 8 does not divide 4 heads
+    ("expert=4", 8, 2, 4),  # the attention data-parallel over expert
+    ("expert=3,tensor=3", 3, 1, 4),
+])
+def test_caches_per_device(sizes, batch, sequences, heads):
+    d = per_device(preset("tiny_mesh"), sizes, context=100, batch=batch)
+    assert (d.sequences, d.kda_heads) == (sequences, heads)
+    assert (d.kda_state, d.mla_cache) == _hand_caches(sequences, heads, 100)  # every head reads all the latents
     assert d.total == d.weights.total + d.kda_state + d.mla_cache
-    odd = per_device(preset("tiny_mesh"), "data=2,tensor=8", context=100, batch=3)  # 3 over data=2: whole
-    assert (odd.sequences, odd.kda_heads) == (3, 4)
 
 
-def test_communication_per_token():
-    c = communication(preset("tiny_mesh"), abstract_mesh("data=2,expert=2,tensor=2"))
-    reduce_d = 2 * (1 / 2) * D * BF  # ring all-reduce over tensor=2 of a [D] bf16 row
+# Communication per token of a data group, by hand: a device's share of the group's tokens in each layout, the
+# bytes a reshard must bring it (what of its new share it did not hold), a ring all-reduce 2(n-1)/n of the buffer,
+# an all-gather (n-1)/n of the result; rows R wide in bf16, the psum in float32, k = 2 pairs a token.
+KP = 2
+REDUCE = lambda n, nbytes: 2 * (n - 1) / n * nbytes  # noqa: E731
+GATHER = lambda n, nbytes: (n - 1) / n * nbytes  # noqa: E731
+
+
+def test_communication_attention_data_parallel_over_expert():
+    """data=2, expert=2, tensor=2, batch 4: each device attends for 1 of its data group's 2 sequences."""
+    c = communication(preset("tiny_mesh"), abstract_mesh("data=2,expert=2,tensor=2"), 4)
+    reduce_d = REDUCE(2, D * BF) / 2  # over tensor=2, half the group's tokens
     assert c.kda_attention == c.mla_attention == c.dense_mlp == c.shared_experts == c.embedding == reduce_d
-    # exchanged: 2 pairs a token, a row out and back, half leave, tokens over expert x tensor = 4; gather 3/4
-    assert c.moe_exchanged == pytest.approx(2 * 2 * R * BF * (1 / 2) / 4 + (3 / 4) * R * BF)
-    # replicated: psum over expert=2 of float32 rows, a device holding half the tokens; gather 1/2 over tensor
-    assert c.moe_replicated == pytest.approx(2 * (1 / 2) * R * F32 / 2 + (1 / 2) * R * BF)
-    assert c.head == (1 / 2) * V * F32
-    odd = communication(preset("tiny_mesh"), abstract_mesh("expert=3,tensor=3"))
-    assert odd.kda_attention == odd.mla_attention == odd.shared_experts == odd.embedding == odd.head == 0
-    assert odd.dense_mlp == pytest.approx(2 * (2 / 3) * D * BF)
-    assert odd.moe_exchanged == odd.moe_replicated == pytest.approx((8 / 9) * R * BF)  # no exchange, a gather
+    assert c.head == GATHER(2, V * F32) / 2
+    # exchanged: a quarter of the tokens a device (cut from its half, nothing sent), 2 pairs each, out and back,
+    # 3 of 4 destinations elsewhere; then its quarter gathered with its tensor partner's back into the half
+    assert c.moe_exchanged == pytest.approx(2 * KP * R * BF * (3 / 4) / 4 + GATHER(2, R * BF / 2))
+    # replicated: its half gathered with its expert partner's into all the group's tokens, a psum of float32
+    # rows over the 4 devices, then each keeps its own half
+    assert c.moe_replicated == pytest.approx(GATHER(2, R * BF) + REDUCE(4, R * F32))
+
+
+def test_communication_batch_over_data_alone():
+    """batch 2 on the same mesh: 4 does not divide it, so each data group attends for its 1 sequence whole."""
+    c = communication(preset("tiny_mesh"), abstract_mesh("data=2,expert=2,tensor=2"), 2)
+    assert c.kda_attention == c.embedding == REDUCE(2, D * BF)
+    assert c.head == GATHER(2, V * F32)
+    # exchanged rows: the quarter comes back to every device of the group: a gather over 4 devices
+    assert c.moe_exchanged == pytest.approx(2 * KP * R * BF * (3 / 4) / 4 + GATHER(4, R * BF))
+    assert c.moe_replicated == pytest.approx(REDUCE(4, R * F32))  # the tokens already on every device
+
+
+def test_communication_experts_over_expert_alone():
+    """expert=2, tensor=3, batch 2: 8 experts over expert (6 does not divide them), each device attends for one
+    sequence; the MoE's tokens: a sixth a device (exchanged) or a third, over tensor (replicated)."""
+    c = communication(preset("tiny_mesh"), abstract_mesh("expert=2,tensor=3"), 2)
+    assert c.kda_attention == c.mla_attention == c.shared_experts == c.embedding == c.head == 0  # 4, 32, 320 by 3
+    assert c.dense_mlp == pytest.approx(REDUCE(3, D * BF) / 2)
+    # exchanged: 2 pairs out and back, half of them to the other expert device; then a gather over tensor
+    assert c.moe_exchanged == pytest.approx(2 * KP * R * BF * (1 / 2) / 6 + GATHER(3, R * BF / 2))
+    # replicated: a device holding half (its expert index) needs a third (its tensor index): it lacks 1/3 - 1/6
+    # (the two overlap in 1/6 on average); the psum over expert=2 of its third; back it lacks 1/2 - 1/6
+    assert c.moe_replicated == pytest.approx((1 / 3 - 1 / 6) * R * BF + REDUCE(2, R * F32) / 3
+                                             + (1 / 2 - 1 / 6) * R * BF)
+
+
+@pytest.mark.parametrize("batch, attended", [(3, 1 / 3), (1, 1)])
+def test_communication_with_whole_experts(batch, attended):
+    """expert=3, tensor=3: the stacks stay whole; both forms split the tokens over all 9 devices and gather them
+    back to where the attention has them (a third of them with batch 3, all with batch 1)."""
+    c = communication(preset("tiny_mesh"), abstract_mesh("expert=3,tensor=3"), batch)
+    assert c.kda_attention == c.mla_attention == c.shared_experts == c.embedding == c.head == 0
+    assert c.dense_mlp == pytest.approx(REDUCE(3, D * BF) * attended)
+    assert c.moe_exchanged == c.moe_replicated == pytest.approx((attended - 1 / 9) * R * BF)
 
 
 @pytest.mark.parametrize("mesh, message", [("expert=8,tensr=2", "'tensr=2'"), ({"expert": 0}, "must be >= 1"),
@@ -143,10 +196,11 @@ PLACED = textwrap.dedent(
     """
     import jax, jax.numpy as jnp, numpy as np
     from flax import nnx
-    from k3jax.memory import abstract_mesh, device_weights
+    from k3jax.memory import abstract_mesh, device_weights, per_device
     from k3jax.model import K3Model
     from k3jax.presets import preset
     from k3jax.sharding import make_mesh, param_spec, place
+    from k3jax.sharding.mesh import constrain_cache
     from k3jax.sharding.rules import spec_bytes
 
     cfg = preset("tiny_mesh")
@@ -155,7 +209,9 @@ PLACED = textwrap.dedent(
     graph, state = nnx.split(nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16)))
     model = nnx.merge(graph, jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), state))
     first = jax.devices()[0]
-    for sizes, experts in (("data=2,expert=2,tensor=2", 4), ("expert=4,tensor=2", 2)):  # experts a device holds
+    # (mesh, experts a device holds: 8 over expert x tensor, batch, the sequences a device holds caches for)
+    for sizes, experts, batch, sequences in (("data=2,expert=2,tensor=2", 2, 4, 1), ("expert=4,tensor=2", 1, 4, 1),
+                                             ("data=2,expert=2,tensor=2", 2, 6, 3)):
         mesh = make_mesh(sizes)
         held, shapes = {}, {}
         for path, var in nnx.to_flat_state(nnx.state(place(model, mesh))):
@@ -170,15 +226,27 @@ PLACED = textwrap.dedent(
             shape, itemsize = shapes[name]
             want = spec_bytes(shape, itemsize, param_spec(cfg, name, shape, mesh), mesh)
             assert held[name] == want, (sizes, name, held[name], want)
-        assert held["layers.1.block_sparse_moe.experts.w2.codes"] == experts * 64 * 16, sizes  # [E/e, R, F/2]
-        print(sizes, sum(held.values()))
+        assert held["layers.1.block_sparse_moe.experts.w2.codes"] == experts * 64 * 16, sizes  # [E/n, R, F/2]
+        # the inference cache (MLA latents in bf16) held where the model holds it (constrain_cache, in a jit)
+        cache = jax.jit(lambda c: constrain_cache(c, mesh))(model.init_cache(batch, 100, jnp.bfloat16))
+        kda = mla = 0
+        for path, leaf in jax.tree_util.tree_leaves_with_path(cache):
+            nbytes = next(s for s in leaf.addressable_shards if s.device == first).data.nbytes
+            if path[-1].name in ("conv", "recurrent"):
+                kda += nbytes
+            else:
+                mla += nbytes
+        d = per_device(cfg, sizes, context=100, batch=batch)
+        assert (kda, mla) == (d.kda_state, d.mla_cache) and d.sequences == sequences, (sizes, batch, kda, mla, d)
+        print(sizes, batch, sum(held.values()), kda, mla)
     """
 )
 
 
 def test_placed_bytes_equal_the_estimate():
     """Each parameter placed by ``k3jax.sharding.place`` on 8 CPU devices: device 0's shards add up to
-    ``device_weights``, and a few of them to what their rules-table spec says."""
+    ``device_weights``, and a few of them to what their rules-table spec says; the inference cache held by
+    ``constrain_cache``: device 0's shards add up to ``per_device``'s KDA state and MLA cache."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     done = subprocess.run([sys.executable, "-c", PLACED], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
