@@ -1,7 +1,7 @@
 """Two processes over loopback (``jax.distributed``, gloo CPU collectives), 4 simulated CPU devices each, one
 mesh data=2, expert=2, tensor=2 over all 8 with the processes along ``expert``: each loads a converted tiny_mesh
 checkpoint onto the mesh reading only the rows its devices hold (counted with the kernel's rchar), runs the
-forward on a batch placed from process-local rows, and gathers logits equal to one device's forward."""
+forward on a batch built from the rows each process's devices hold, and gathers logits equal to one device's."""
 
 import json
 import os
@@ -29,11 +29,13 @@ WORKER = textwrap.dedent("""
     import jax.numpy as jnp, numpy as np
     from flax import nnx
     from jax.experimental import multihost_utils
+    from jax.sharding import NamedSharding
     import convert.conversion, convert.integrity  # imported before reads are counted
     from k3jax.checkpoint import load
     from k3jax.mx import MXTensor
     from k3jax.sharding import make_mesh, on_mesh
     from k3jax.sharding.mesh import place_local_batch
+    from k3jax.sharding.rules import batch_spec
 
     def rchar():  # bytes this process has read through read(2) and friends
         return int(next(l for l in open("/proc/self/io") if l.startswith("rchar")).split()[1])
@@ -59,9 +61,11 @@ WORKER = textwrap.dedent("""
                 assert {e for a, b in ranges for e in range(a, b)} == set(range(4 * pid, 4 * pid + 4)), ranges
 
     tokens = np.load(f"{folder}/tokens.npy")
+    held = NamedSharding(mesh, batch_spec(len(tokens), mesh, 2)).addressable_devices_indices_map(tokens.shape)
+    rows = np.concatenate([tokens[a:b] for a, b in sorted({i[0].indices(len(tokens))[:2] for i in held.values()})])
     graph, state = nnx.split(model)
     with on_mesh(mesh):
-        logits = jax.jit(lambda p, t: nnx.merge(graph, p)(t))(state, place_local_batch(tokens, mesh, len(tokens)))
+        logits = jax.jit(lambda p, t: nnx.merge(graph, p)(t))(state, place_local_batch(rows, mesh, len(tokens)))
     np.save(f"{folder}/logits{pid}.npy", multihost_utils.process_allgather(logits, tiled=True))
     json.dump({"read": read, "needed": needed}, open(f"{folder}/read{pid}.json", "w"))
 """)

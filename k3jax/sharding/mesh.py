@@ -107,10 +107,8 @@ def place_batch(x: jax.Array, mesh: Mesh) -> jax.Array:
 
 def place_local_batch(rows: Any, mesh: Mesh, batch: int) -> jax.Array:
     """Several processes (``jax.distributed``): a global batch [``batch``, ...] placed as ``place_batch`` does,
-    built from each process's ``rows``, the rows its own devices hold: all ``batch`` where the batch is not
-    split or ``data`` stays within each process, else its data group's share
-    (``jax.make_array_from_process_local_data``). ``place_batch`` copies one host array, the same on every
-    process."""
+    from each process's ``rows``: the whole batch (the same on every process), or only the rows its own
+    devices hold, in order (``jax.make_array_from_process_local_data``)."""
     spec = batch_spec(batch, mesh, rows.ndim)
     return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), rows, (batch, *rows.shape[1:]))
 
