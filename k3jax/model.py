@@ -31,6 +31,7 @@ from k3jax.layers.kda import KDA
 from k3jax.layers.mla import MLA
 from k3jax.layers.mlp import DenseMLP, activation
 from k3jax.layers.moe import MoE
+from k3jax.sharding.mesh import hold_batch
 from k3jax.typing import Array
 
 
@@ -142,6 +143,13 @@ class DecoderLayer(nnx.Module):
         x, *load = _split(self.ffn(h, residual=partial, stats=stats), stats)
         mix = jnp.stack([w_attn, w_mlp])
         return (blocks, n, x), (mix, LayerStats(load[0], retention[0])) if stats else mix, cache
+
+
+def _held(out: tuple) -> tuple:
+    """A layer step's (carry, outputs, cache) with the carry's activations held split by batch on a mesh
+    (``k3jax.sharding.hold_batch``; nothing without one)."""
+    carry, ys, cache = out
+    return hold_batch(carry), ys, cache
 
 
 def _split(out, stats: bool) -> tuple:
@@ -289,6 +297,8 @@ class K3Model(nnx.Module):
         else:
             carry = x
             step = lambda layer, c, i, lc: layer.residual(c, lc, ctx, stats)
+        layer_step = step
+        step = lambda layer, c, i, lc: _held(layer_step(layer, c, i, lc))
         weights, new_cache = [], []
         for g, run in enumerate(layer_groups(cfg, scan_layers)):
             caches = cache[g] if cache is not None else [None] * run[1]

@@ -19,6 +19,7 @@ from k3jax.functional.moe import Activation
 from k3jax.layers.basic import Linear, RMSNorm, Rngs, norm_params, normal
 from k3jax.layers.mlp import DenseMLP
 from k3jax.mx import quantize_compiled
+from k3jax.sharding.mesh import hold
 from k3jax.typing import Array
 from pallas_kernels.matvec.ops import project
 from pallas_kernels.moe.ops import routed_experts, select_experts
@@ -105,6 +106,8 @@ class MoE(nnx.Module):
         y = routed_experts(z, logits, self.gate.e_score_correction_bias[...], w1, w3, w2, self.act,
                            cfg.experts_per_token, cfg.renormalize, cfg.routed_scaling_factor, self.dispatch,
                            out_dtype=jnp.float32 if cfg.latent_size else None)
+        y = hold(y.reshape(B, T, -1), "batch", None, None).reshape(B * T, -1)  # on a mesh: the attention's layout
+        shared = [hold(a.reshape(B, T, -1), "batch", None, "mlp").reshape(B * T, -1) for a in shared]
         add = [self.shared_experts.down(*shared)] if cfg.num_shared_experts else []
         add += [] if residual is None else [residual.reshape(B * T, D)]
         if cfg.latent_size:

@@ -24,7 +24,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from k3jax.implementation import scoped
-from k3jax.sharding.rules import MESH_AXES, ShardingError, batch_spec, cache_spec, param_spec
+from k3jax.sharding.rules import MESH_AXES, ShardingError, batch_spec, cache_spec, mesh_axis, param_spec
 
 _MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("k3jax_mesh", default=None)
 
@@ -93,6 +93,25 @@ def constrain_cache(cache: Any, mesh: Mesh) -> Any:
     return jax.tree_util.tree_map_with_path(one, cache)
 
 
+def hold(x: jax.Array, *logical: str | None) -> jax.Array:
+    """Inside a traced model under ``on_mesh``: an activation held where its dims' logical axes (``rules.RULES``;
+    None: whole) put it; as is without a mesh. The model holds its layers' inputs and outputs [B, T, D] split by
+    batch only, and the MoE its shared experts' hidden [B, T, F] by batch and ``mlp``, so that XLA's partitioner
+    keeps the attention data-parallel and reduces the tensor split's partial sums, rather than gathering weights
+    to follow the MoE's token split."""
+    mesh = current_mesh()
+    if mesh is None:
+        return x
+    spec = PartitionSpec(*(mesh_axis(a, n, mesh) for a, n in zip(logical, x.shape)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def hold_batch(tree: Any) -> Any:
+    """``hold`` for every array [..., B, T, D] in ``tree`` (a layer's carry: activations, AttnRes blocks): split
+    by batch, whole otherwise."""
+    return jax.tree.map(lambda x: hold(x, *(None,) * (x.ndim - 3), "batch", None, None) if x.ndim >= 3 else x, tree)
+
+
 def place(model: Any, mesh: Mesh) -> Any:
     """``model`` with every parameter moved to its sharding on ``mesh`` (``param_shardings``)."""
     graph, state = nnx.split(model)
@@ -101,7 +120,7 @@ def place(model: Any, mesh: Mesh) -> Any:
 
 
 def place_batch(x: jax.Array, mesh: Mesh) -> jax.Array:
-    """Tokens or activations [B, ...] with the batch split over ``data`` where it divides."""
+    """Tokens or activations [B, ...] with the batch split as the rules say (over data x expert where it divides)."""
     return jax.device_put(x, NamedSharding(mesh, batch_spec(x.shape[0], mesh, x.ndim)))
 
 
@@ -113,5 +132,5 @@ def place_local_batch(rows: Any, mesh: Mesh, batch: int) -> jax.Array:
     return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), rows, (batch, *rows.shape[1:]))
 
 
-__all__ = ["ShardingError", "constrain_cache", "current_mesh", "make_mesh", "on_mesh", "param_shardings", "parse_mesh", "place",
+__all__ = ["ShardingError", "constrain_cache", "current_mesh", "hold", "hold_batch", "make_mesh", "on_mesh", "param_shardings", "parse_mesh", "place",
            "place_batch", "place_local_batch"]

@@ -127,15 +127,15 @@ CACHE_AXES: Mapping[str, tuple[str | None, ...]] = {
 
 
 def cache_spec(field: str, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
-    """Where a cache array (``CACHE_AXES`` field ``field``) lives: batch over ``data``, KDA heads over ``tensor``
-    (each where it divides)."""
+    """Where a cache array (``CACHE_AXES`` field ``field``) lives: the batch as ``RULES`` says (data x expert), KDA
+    heads over ``tensor``, each where it divides."""
     axes = CACHE_AXES[field]
     lead = len(shape) - len(axes)
     return PartitionSpec(*(None,) * lead, *(mesh_axis(a, n, mesh) for a, n in zip(axes, shape[lead:])))
 
 
 def batch_spec(batch: int, mesh: Mesh, ndim: int) -> PartitionSpec:
-    """Activations or caches [B, ...]: batch over ``data`` when it divides."""
+    """Activations or caches [B, ...]: the batch split as ``RULES`` says (data x expert, where it divides)."""
     return PartitionSpec(mesh_axis("batch", batch, mesh), *(None,) * (ndim - 1))
 
 
