@@ -161,11 +161,11 @@ TINY_LINEAR = _small(
     bos_token_id=256, eos_token_id=257,
 )
 
-# tiny with counts that divide over 8 devices (4 KDA and 4 MLA heads, 8 routed experts) in 8 layers (two AttnRes
-# blocks): the sharding tests split every rule's dim on meshes of 2, 4 and 8.
+# tiny with counts that divide over 8 devices (4 KDA and 4 MLA heads, 8 routed experts) in one (KDA, KDA, KDA, MLA)
+# group, two AttnRes blocks: the sharding tests split every rule's dim on meshes of 2, 4 and 8.
 TINY_MESH = _small(
-    TINY, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=4, num_experts=8,
-    linear_attn_config={"num_heads": 4, "head_dim": 8, "full_attn_layers": [4, 8], "kda_layers": [1, 2, 3, 5, 6, 7]},
+    TINY, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, num_experts=8, attn_res_block_size=2,
+    linear_attn_config={"num_heads": 4, "head_dim": 8, "full_attn_layers": [4], "kda_layers": [1, 2, 3]},
 )
 
 # The shipped trained model (k3jax/data/nano): every K3 mechanism at 6M parameters, byte-level (ids 0-255

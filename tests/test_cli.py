@@ -180,4 +180,4 @@ def test_memory_per_device_on_a_mesh(capsys):
     assert out.startswith("tiny_mesh on a mesh of 8 devices (data=2, expert=2, tensor=2): context 100 tokens, batch 4")
     assert "(1 sequence x 2 of 4 heads, float32)" in out  # batch over data x expert, heads over tensor
     # 2(t-1)/t x 2D bytes for each of the 1/e of a data group's tokens the device attends for
-    assert "KDA attention: all-reduce over tensor                 48       6           288" in out
+    assert "KDA attention: all-reduce over tensor                 48       3           144" in out

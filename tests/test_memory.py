@@ -61,8 +61,8 @@ def test_the_installed_entry_prints_no_traceback():
 
 
 # tiny_mesh's sizes (k3jax/presets.py): width, vocabulary, KDA heads and head dim, MLA heads and its ranks and head
-# dims, experts and their width F and latent R, the shared experts' and layer 0's MLP widths; 6 KDA and 2 MLA
-# layers, layer 0 dense, 7 MoE layers, k = 2.
+# dims, experts and their width F and latent R, the shared experts' and layer 0's MLP widths; 3 KDA and 1 MLA
+# layers, layer 0 dense, 3 MoE layers, k = 2.
 D, V, H, K, E, F, R, S, I = 48, 320, 4, 8, 8, 32, 64, 32, 72
 Q, C, NOPE, ROPE, VH = 24, 16, 8, 4, 8
 BF, F32, MX = 2, 4, 0.5 + 1 / 32
@@ -79,7 +79,7 @@ def _hand_weights(heads=1, dense=1, shared=1, vocab=1, experts=1):
            + (Q * D + Q + (C + ROPE) * D + C) * BF)  # q_b, kv_b, o, g / q_a and its norm, kv_a and its norm
     moe = (E * D * BF + E * F32 + 2 * R * D * BF + R * BF + 3 * S * D * BF / shared
            + 3 * E * F * R * MX / experts)  # router and bias, latent maps and norm, shared, routed stacks
-    return top + 8 * layer + 6 * kda + 2 * mla + 3 * I * D * BF / dense + 7 * moe
+    return top + 4 * layer + 3 * kda + mla + 3 * I * D * BF / dense + 3 * moe
 
 
 @pytest.mark.parametrize("sizes, split", [
@@ -97,7 +97,7 @@ def test_weights_per_device_follow_the_shapes(sizes, split):
 def test_one_device_walk_counts_float32_at_four_bytes():
     """``estimate`` counts every non-expert parameter at 2 bytes; the walk finds the float32 ones (KDA convs,
     A_log, dt_bias; the router bias) at 4."""
-    float32 = 6 * (3 * H * K * 4 + H + H * K) + 7 * E
+    float32 = 3 * (3 * H * K * 4 + H + H * K) + 3 * E
     walked = device_weights(preset("tiny_mesh"), abstract_mesh("")).total
     assert walked == _hand_weights() == estimate(preset("tiny_mesh"), 1).weights + 2 * float32
 
@@ -106,7 +106,7 @@ def _hand_caches(sequences, heads, context):
     """tiny_mesh's caches on one device, per sequence it holds: per KDA layer the float32 state [heads, K, K] and
     the q, k, v convs' last 3 inputs [3 * H * K] (channels side by side, whole over tensor); per MLA layer the bf16
     latents [context, C + ROPE]."""
-    return sequences * 6 * F32 * (heads * K * K + 3 * 3 * H * K), sequences * context * 2 * BF * (C + ROPE)
+    return sequences * 3 * F32 * (heads * K * K + 3 * 3 * H * K), sequences * context * BF * (C + ROPE)
 
 
 @pytest.mark.parametrize("sizes, batch, sequences, heads", [
