@@ -15,7 +15,6 @@ as long as a whole decode step of a small model on a GPU.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -24,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from k3jax import arguments
 from k3jax.model import K3Model
@@ -137,15 +136,21 @@ class Generator:
                                      static_argnames=("sampling", "window", "steps"),
                                      compiler_options=options(DECODE_GPU_OPTIONS))
         self._first = jax.jit(self._first_fn, static_argnames="sampling", compiler_options=options({}))
-        self._step0 = jnp.zeros((), jnp.int32)
+        # host data goes to the device as the compiled calls give it back (on a mesh: whole on every device)
+        self._home = None if mesh is None else NamedSharding(mesh, PartitionSpec())
+        self._step0 = jax.device_put(jnp.zeros((), jnp.int32), self._home)
 
     def _merged(self, weights) -> K3Model:
         return nnx.merge(self._graph, jax.tree_util.tree_unflatten(self._treedef, weights))
 
     def _extend_fn(self, weights, tokens, cache, start, lengths, logits_at=None, window=None, head=True):
-        with contextlib.nullcontext() if self.mesh is None else on_mesh(self.mesh):
+        if self.mesh is None:
             return self._merged(weights).extend(tokens, cache, start, lengths, self.scan_layers, logits_at, window,
                                                 head)
+        with on_mesh(self.mesh):  # the cache comes back where it went in: each call compiles once
+            out, cache = self._merged(weights).extend(tokens, cache, start, lengths, self.scan_layers, logits_at,
+                                                      window, head)
+        return out, constrain_cache(cache, self.mesh)
 
     def _chunk_fn(self, weights, tokens, cache, start, lengths, logits_at, last, ends_here, window):
         """One prefill chunk into the cache; ``last`` [B, D] takes the final hidden state of the prompts that end in
@@ -165,12 +170,17 @@ class Generator:
         back, so no step needs an array from the host."""
         logits, cache = self._extend_fn(weights, tokens[:, None], cache, positions, None, window=window)
         next_tokens = sample(logits[:, 0], jax.random.fold_in(key, step), sampling)
+        next_tokens, positions = self._whole(next_tokens), self._whole(positions)
         return next_tokens, logits[:, 0], cache, positions + 1, step + 1
 
-    @staticmethod
-    def _first_fn(logits, key, sampling):
+    def _whole(self, x: Array) -> Array:
+        """On a mesh, a small array held whole on every device, as the host's arrays arrive: a decode step's tokens
+        and positions go back in as they came, so the step compiles once."""
+        return x if self.mesh is None else jax.lax.with_sharding_constraint(x, self._home)
+
+    def _first_fn(self, logits, key, sampling):
         """The first new tokens, from the prompts' last logits with key step 0 -> (tokens [B], their logprobs [B])."""
-        tokens = sample(logits, jax.random.fold_in(key, 0), sampling)
+        tokens = self._whole(sample(logits, jax.random.fold_in(key, 0), sampling))
         return tokens, token_logprobs(logits, tokens)
 
     def _decode_steps_fn(self, weights, tokens, cache, positions, key, step, sampling, window, steps):
@@ -187,6 +197,8 @@ class Generator:
 
         (last, cache, positions, step), (tokens, logprobs) = jax.lax.scan(one, (tokens, cache, positions, step),
                                                                           length=steps)
+        if self.mesh is not None:  # the loop's carry leaves where XLA put it: back where it came in
+            last, positions, cache = self._whole(last), self._whole(positions), constrain_cache(cache, self.mesh)
         return tokens, logprobs, last, cache, positions, step
 
     def window(self, end: int) -> int:
@@ -285,7 +297,7 @@ class Generator:
                       (lengths - 1 >= s) & (lengths - 1 < s + chunk)) for s in starts]
         last = np.zeros((len(prompts), self.cfg.hidden_size), self._model.embed_tokens.weight.dtype)
         longest = int(lengths.max())
-        inputs, lengths, last = jax.device_put((per_chunk, lengths, last))
+        inputs, lengths, last = jax.device_put((per_chunk, lengths, last), self._home)
         for start, (tokens_in, start_in, index_in, ends_in) in zip(starts, inputs):
             last, cache = self._chunk(self._weights, tokens_in, cache, start_in, lengths, index_in, last, ends_in,
                                       window=self.window(start + chunk))
@@ -345,7 +357,7 @@ class Generator:
         # each step (a stopped sequence's rows are computed and dropped); a stop is seen one call late, so after the
         # last stop one more call may run.
         lengths = np.array([len(p) for p in prompts], np.int32)
-        positions, step_dev = jax.device_put((lengths, np.int32(1)))
+        positions, step_dev = jax.device_put((lengths, np.int32(1)), self._home)
         longest, steps = int(lengths.max()), self.steps_per_call
         t2, pending = t1, None
         for first in range(1, max_new_tokens, steps):  # the call's first step (step s feeds position length + s - 1)

@@ -1,6 +1,6 @@
 """The whole model on a mesh of 8 simulated CPU devices (data x expert x tensor): logits, forced routing and decode
 after prefill equal one device's, float32 on the reference path, within rounding (summation order: the tensor
-split's partial sums, the experts' exchange). Runs in a subprocess: the device count is fixed at start."""
+split's partial sums, the experts' exchange); generation gives the same tokens and compiles its decode call once. Runs in a subprocess: the device count is fixed at start."""
 
 import os
 import subprocess
@@ -74,6 +74,13 @@ SCRIPT = textwrap.dedent(
         return jnp.stack(out)
     mesh = make_mesh("data=2,expert=2,tensor=2")
     close(decode(models["tiny_mesh"], mesh), decode(models["tiny_mesh"]), "prefill + 3 decode steps, 2x2x2")
+
+    # generate: the same greedy tokens, and on the mesh its decode call compiles once (the cache, tokens and
+    # positions go back in where they came out)
+    sharded = Generator(place(models["tiny_mesh"], mesh), max_len=40, prefill_chunk=4, mesh=mesh)
+    got = sharded.generate(prompts, 24).tokens
+    assert got == Generator(models["tiny_mesh"], max_len=40, prefill_chunk=4).generate(prompts, 24).tokens, got
+    assert sharded._decode_steps._cache_size() == 1
     print("ok")
     """
 )
