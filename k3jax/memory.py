@@ -26,9 +26,9 @@ from k3jax.arguments import integer
 from k3jax.config import K3Config
 from k3jax.model import K3Model
 from k3jax.param_count import count_params
-from k3jax.sharding.mesh import parse_mesh
+from k3jax.sharding.mesh import mesh_shape
 from k3jax.sharding.rules import (DATA, MESH_AXES, RULES, cache_spec, devices_over, mesh_axes, mesh_axis, param_spec,
-                                  spec_bytes)
+                                  spec_bytes, split_axes)
 
 MXFP4_BYTES = 0.5 + 1 / 32  # a 4-bit code per element plus one E8M0 byte per 32-element block
 ACTIVATION_BYTES = 2  # bf16 activations between devices
@@ -77,12 +77,7 @@ def _kda_values(cfg: K3Config) -> int:
 def abstract_mesh(sizes: str | Mapping[str, int]) -> AbstractMesh:
     """Mesh axes (data, expert, tensor) of these sizes, with no devices: what the rules table reads.
     ``sizes``: 'expert=8,tensor=2' or a mapping (absent axes 1); ValueError naming what is off."""
-    sizes = parse_mesh(sizes) if isinstance(sizes, str) else {**dict.fromkeys(MESH_AXES, 1), **sizes}
-    unknown = set(sizes) - set(MESH_AXES)
-    if unknown:
-        raise ValueError(f"mesh: unknown axes {sorted(unknown)}; the axes are {', '.join(MESH_AXES)}")
-    shape = tuple(integer(f"mesh: {a}", sizes[a], minimum=1) for a in MESH_AXES)
-    return AbstractMesh(shape, MESH_AXES)  # (axis_sizes, axis_names): the same in JAX 0.10 and 0.11
+    return AbstractMesh(mesh_shape(sizes), MESH_AXES)  # (axis_sizes, axis_names): the same in JAX 0.10 and 0.11
 
 
 @functools.lru_cache(maxsize=8)
@@ -140,11 +135,6 @@ def _all_reduce(n: int, nbytes: float) -> float:
 
 def _all_gather(n: int, nbytes: float) -> float:
     return (n - 1) / n * nbytes
-
-
-def _split_axes(mesh: AbstractMesh) -> tuple[str, ...]:
-    """Every axis with more than one device: what ``k3jax.sharding.experts`` splits the MoE's tokens over."""
-    return tuple(a for a in MESH_AXES if mesh.shape[a] > 1)
 
 
 def communication(cfg: K3Config, mesh: AbstractMesh, batch: int) -> Communication:
@@ -205,7 +195,7 @@ def communication(cfg: K3Config, mesh: AbstractMesh, batch: int) -> Communicatio
     def reduce_over(logical: str, size: int, units: int | None = None) -> float:
         return _all_reduce(devices_over(mesh_axis(logical, size, mesh, units), mesh), a * D) * share(attention)
 
-    row, every = a * R, _split_axes(mesh)
+    row, every = a * R, split_axes(mesh)
     group = mesh_axes("experts", moe.num_experts, mesh)
     n = devices_over(group, mesh)
     regather = (moved(attention, every) + moved(every, attention)) * row

@@ -25,14 +25,13 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from k3jax.implementation import current
-from k3jax.sharding.rules import EXPERT, MESH_AXES, devices_over, mesh_axes
+from k3jax.sharding.rules import EXPERT, devices_over, mesh_axes, split_axes
 from k3jax.typing import Array
 
-EXPERT_AXIS = EXPERT
 LocalMoE = Callable[[Array, Array, Array, Array, Array, Array], Array]
 
 
-def expert_sharding(mesh: Mesh, num_experts: int, axis: str = EXPERT_AXIS) -> NamedSharding:
+def expert_sharding(mesh: Mesh, num_experts: int, axis: str = EXPERT) -> NamedSharding:
     """Where a routed-expert stack [E, ...] lives: split along E over ``axis``."""
     if num_experts % mesh.shape[axis]:
         raise ValueError(f"num_experts {num_experts} does not divide over mesh axis {axis!r} of size {mesh.shape[axis]}")
@@ -45,10 +44,6 @@ def local_pairs(weights: Array, experts: Array, first, count: int) -> tuple[Arra
     weight 0."""
     mine = (experts >= first) & (experts < first + count)
     return jnp.where(mine, weights, 0.0), jnp.where(mine, experts - first, count)
-
-
-def _split_axes(mesh: Mesh, exclude: tuple[str, ...] = ()) -> tuple[str, ...]:
-    return tuple(a for a in MESH_AXES if a in mesh.axis_names and mesh.shape[a] > 1 and a not in exclude)
 
 
 def _padded(x: Array, weights: Array, experts: Array, multiple: int, num_experts: int):
@@ -70,7 +65,7 @@ def moe_expert_parallel(x: Array, w1, w3, w2, weights: Array, experts: Array, lo
     group = mesh_axes("experts", E, mesh)  # the axes the stacks are split over
     if exchange is None:
         exchange = T >= current().policy.expert_exchange_min_tokens
-    tokens = _split_axes(mesh) if exchange or not group else _split_axes(mesh, exclude=group)
+    tokens = split_axes(mesh) if exchange or not group else split_axes(mesh, exclude=group)
     xp, wp, ep = _padded(x, weights, experts, devices_over(tokens, mesh), E)
     rows, stacks = PartitionSpec(tokens or None), PartitionSpec(group or None)
     if not group:
@@ -149,4 +144,4 @@ def _gathered_all_to_all(operand, output, input_offsets, send_sizes, output_offs
     return jnp.where(inside.any(axis=1).reshape(-1, *(1,) * (output.ndim - 1)), taken, output)
 
 
-__all__ = ["EXPERT_AXIS", "expert_sharding", "local_pairs", "moe_expert_parallel"]
+__all__ = ["expert_sharding", "local_pairs", "moe_expert_parallel"]

@@ -23,6 +23,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from k3jax.arguments import integer
 from k3jax.implementation import scoped
 from k3jax.sharding.rules import MESH_AXES, ShardingError, batch_spec, cache_spec, mesh_axis, param_spec
 
@@ -41,15 +42,21 @@ def parse_mesh(text: str) -> dict[str, int]:
     return sizes
 
 
-def make_mesh(sizes: str | Mapping[str, int], devices=None) -> Mesh:
-    """A mesh with axes (data, expert, tensor) over ``devices`` (default: all, over every process); ``sizes``
-    a mapping or 'expert=4,tensor=2' (absent axes 1). Their product must be the device count."""
+def mesh_shape(sizes: str | Mapping[str, int]) -> tuple[int, ...]:
+    """The sizes of the axes (data, expert, tensor) from 'expert=4,tensor=2' or a mapping (absent axes 1);
+    ValueError or TypeError naming what is off."""
     sizes = parse_mesh(sizes) if isinstance(sizes, str) else {**dict.fromkeys(MESH_AXES, 1), **sizes}
     unknown = set(sizes) - set(MESH_AXES)
     if unknown:
         raise ValueError(f"mesh: unknown axes {sorted(unknown)}; the axes are {', '.join(MESH_AXES)}")
+    return tuple(integer(f"mesh: {a}", sizes[a], minimum=1) for a in MESH_AXES)
+
+
+def make_mesh(sizes: str | Mapping[str, int], devices=None) -> Mesh:
+    """A mesh with axes (data, expert, tensor) over ``devices`` (default: all, over every process); ``sizes``
+    a mapping or 'expert=4,tensor=2' (absent axes 1). Their product must be the device count."""
+    shape = mesh_shape(sizes)
     devices = list(jax.devices() if devices is None else devices)
-    shape = tuple(sizes[a] for a in MESH_AXES)
     if math.prod(shape) != len(devices):
         raise ValueError(f"mesh: {dict(zip(MESH_AXES, shape))} needs {math.prod(shape)} devices; "
                          f"{len(devices)} are available")
@@ -132,5 +139,5 @@ def place_local_batch(rows: Any, mesh: Mesh, batch: int) -> jax.Array:
     return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), rows, (batch, *rows.shape[1:]))
 
 
-__all__ = ["ShardingError", "constrain_cache", "current_mesh", "hold", "hold_batch", "make_mesh", "on_mesh", "param_shardings", "parse_mesh", "place",
-           "place_batch", "place_local_batch"]
+__all__ = ["ShardingError", "constrain_cache", "current_mesh", "hold", "hold_batch", "make_mesh", "mesh_shape",
+           "on_mesh", "param_shardings", "parse_mesh", "place", "place_batch", "place_local_batch"]

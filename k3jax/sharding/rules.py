@@ -84,11 +84,16 @@ def _heads(cfg: K3Config, path: str) -> int:
     return cfg.kda.num_heads if cfg.layer_types[int(layer.group(1))] == "kda" else cfg.mla.num_heads
 
 
+def split_axes(mesh: Mesh, exclude: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The mesh's axes (in ``MESH_AXES`` order) with more than one device, but those in ``exclude``."""
+    return tuple(a for a in MESH_AXES if a in mesh.axis_names and mesh.shape[a] > 1 and a not in exclude)
+
+
 def mesh_axes(logical: str | None, size: int, mesh: Mesh, units: int | None = None) -> tuple[str, ...]:
     """The mesh axes a dim of ``size`` with logical axis ``logical`` is split over: the rule's axes that the
     mesh has with more than one device, the last dropped while their product does not divide ``units``
     (heads; default ``size``). Empty: the dim stays whole."""
-    axes = [a for a in RULES.get(logical, ()) if a in mesh.axis_names and mesh.shape[a] > 1] if logical else []
+    axes = [a for a in RULES.get(logical, ()) if a in split_axes(mesh)] if logical else []
     count = units if units is not None else size
     while axes and count % math.prod(mesh.shape[a] for a in axes):
         axes.pop()
@@ -154,5 +159,5 @@ def describe(spec: PartitionSpec) -> str:
 
 __all__ = ["CACHE_AXES", "DATA", "EXPERT", "MESH_AXES", "PARAM_AXES", "RULES", "ShardingError", "TENSOR", "batch_spec",
            "cache_spec", "describe", "devices_over", "logical_axes", "mesh_axes", "mesh_axis", "param_spec",
-           "spec_bytes"]
+           "spec_bytes", "split_axes"]
 
